@@ -1,0 +1,59 @@
+"""jrl.losses: RL objectives for language models as pure functions of arrays.
+
+Nothing here sees a model, a tokenizer or a config: callers pass logprobs,
+rewards, values and masks, and get per-token (or per-sequence) losses and
+scalar metrics back. All arithmetic is float32. Shapes are checked on entry;
+a wrong shape, a batch that does not split into groups, or an unknown mode
+name raises `ValueError` naming the argument.
+
+    import jrl.losses as L
+    adv = L.grpo_advantages(rewards, group_size=8)               # [B]
+    loss_BxT, metrics = L.ppo_clip_loss(logp, old_logp,
+                                        L.broadcast_to_tokens(adv, mask), mask,
+                                        eps_low=0.2, eps_high=0.28)
+    loss = L.aggregate(loss_BxT, mask, 'token-mean')
+
+See `jrl/losses/README.md` for the conventions of veRL, TRL, OpenRLHF and
+NeMo-RL and the presets that reproduce each one's GRPO.
+"""
+
+from jrl.losses.advantages import (
+  batch_std,
+  broadcast_to_tokens,
+  discounted_returns,
+  dr_grpo_advantages,
+  gae,
+  grpo_advantages,
+  loo_advantages,
+  reinforce_pp_advantages,
+  reinforce_pp_baseline_advantages,
+  rloo_advantages,
+  token_level_rewards,
+  whiten,
+)
+from jrl.losses.kl import (
+  KLController,
+  KLControllerState,
+  adaptive_kl_controller,
+  fixed_kl_controller,
+  kl_penalty,
+)
+from jrl.losses.logprobs import (
+  token_entropy,
+  token_logprobs,
+  token_logprobs_and_entropy,
+  token_logprobs_from_hidden,
+)
+from jrl.losses.policy import cispo_loss, gspo_loss, importance_weights, ppo_clip_loss
+from jrl.losses.preference import dpo_loss, hinge_loss, ipo_loss, orpo_loss, simpo_loss
+from jrl.losses.presets import PRESETS, GRPOPreset, get_preset, grpo_loss, preset_advantages
+from jrl.losses.reductions import (
+  AGGREGATION_MODES,
+  aggregate,
+  seq_mean_token_mean,
+  seq_mean_token_sum,
+  seq_mean_token_sum_norm,
+  token_mean,
+  token_sum,
+)
+from jrl.losses.value import entropy_loss, value_loss

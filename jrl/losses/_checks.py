@@ -1,0 +1,61 @@
+"""Argument checks shared by the objectives.
+
+Every public function in `jrl.losses` checks the shapes and modes of its
+arguments in its first lines and raises `ValueError` naming the argument, so a
+wrong call fails at trace time with a message rather than broadcasting
+silently. Checks look at static shapes only, so they cost nothing under jit.
+"""
+
+from collections.abc import Iterable
+
+import jax.numpy as jnp
+
+
+def check_rank(x, rank: int, name: str, dims: str) -> None:
+  """Raises if `x` does not have `rank` dimensions; `dims` is e.g. '[B, T]'."""
+  shape = jnp.shape(x)
+  if len(shape) != rank:
+    raise ValueError(f'`{name}` must have shape {dims}, got shape {tuple(shape)}.')
+
+
+def check_same_shape(ref_name: str, ref, **others) -> None:
+  """Raises if any array in `others` has a shape different from `ref`."""
+  ref_shape = tuple(jnp.shape(ref))
+  for name, x in others.items():
+    if x is None:
+      continue
+    if tuple(jnp.shape(x)) != ref_shape:
+      raise ValueError(
+        f'`{name}` must have the same shape as `{ref_name}` {ref_shape}, '
+        f'got shape {tuple(jnp.shape(x))}.'
+      )
+
+
+def check_choice(value: str, name: str, choices: Iterable[str]) -> None:
+  """Raises if `value` is not one of `choices`."""
+  choices = tuple(choices)
+  if value not in choices:
+    raise ValueError(f'`{name}` must be one of {choices}, got {value!r}.')
+
+
+def check_group_size(batch: int, group_size: int, name: str = 'group_size') -> None:
+  """Raises unless `group_size` is a positive int that divides `batch`."""
+  if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+    raise ValueError(f'`{name}` must be a positive int, got {group_size!r}.')
+  if batch % group_size:
+    raise ValueError(
+      f'the batch size {batch} is not divisible by `{name}`={group_size}; '
+      'rows must be laid out as consecutive groups of samples of one prompt.'
+    )
+
+
+def check_positive(value, name: str, allow_zero: bool = False) -> None:
+  """Raises unless the Python number `value` is > 0 (or >= 0)."""
+  if (allow_zero and value < 0) or (not allow_zero and value <= 0):
+    bound = '>= 0' if allow_zero else '> 0'
+    raise ValueError(f'`{name}` must be {bound}, got {value!r}.')
+
+
+def as_f32(x):
+  """Casts to float32: all loss arithmetic is done in float32."""
+  return jnp.asarray(x, jnp.float32)

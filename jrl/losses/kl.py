@@ -1,0 +1,133 @@
+"""KL estimators between the policy and a reference, and the adaptive KL controller.
+
+With samples y ~ π (the policy) and the per-token log-ratio
+x_t = logp_t − ref_logp_t (log π/π_ref), the estimators of KL(π ‖ π_ref)
+from Schulman (2020), "Approximating KL divergence":
+
+| estimator | per-token value              | unbiased | note                           |
+|-----------|------------------------------|----------|--------------------------------|
+| 'k1'      | x                            | yes      | can be negative                |
+| 'abs'     | abs(x)                       | no       | veRL 'abs'                     |
+| 'k2'      | x² / 2                       | no       | veRL 'mse'; gradient = k1's    |
+| 'k3'      | exp(−x) − 1 + x              | yes      | ≥ 0; veRL 'low_var_kl', GRPO  |
+
+Clamps, as each framework applies them (`jrl.losses.presets` sets them):
+* veRL `low_var_kl`: x clamped to [−20, 20] before exp, the k3 value to
+  [−10, 10] after;
+* OpenRLHF: the value of every estimator clamped to [−10, 10];
+* NeMo-RL: optional input and output clamps (`kl_input_clamp_value`,
+  `kl_output_clamp_value`);
+* TRL: none (k3 only, `beta` > 0 turns it on).
+`input_clamp` clamps x, `output_clamp` clamps the value, both symmetric.
+
+The KL can be added to the loss (GRPO: β · aggregate(kl)) or subtracted from
+the reward (PPO-style, `jrl.losses.advantages.token_level_rewards`).
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from jrl.losses._checks import as_f32, check_choice, check_positive, check_rank, check_same_shape
+
+KL_ESTIMATORS = ('k1', 'abs', 'k2', 'k3')
+
+
+def kl_penalty(logp, ref_logp, *, estimator='k3', input_clamp=None, output_clamp=None, mask=None):
+  """Per-token KL(π ‖ π_ref) estimate from the sampled tokens' logprobs.
+
+  Args:
+    logp: [B, T] policy logprobs (differentiated when used in the loss).
+    ref_logp: [B, T] reference logprobs.
+    estimator: 'k1' | 'abs' | 'k2' | 'k3'.
+    input_clamp: clamp the log-ratio to [−c, c] before the estimator.
+    output_clamp: clamp the estimate to [−c, c].
+    mask: optional [B, T] 0/1; the output is zeroed where it is 0.
+
+  Returns:
+    [B, T] float32.
+  """
+  check_rank(logp, 2, 'logp', '[B, T]')
+  check_same_shape('logp', logp, ref_logp=ref_logp, mask=mask)
+  check_choice(estimator, 'estimator', KL_ESTIMATORS)
+  x = as_f32(logp) - as_f32(ref_logp)
+  if input_clamp is not None:
+    check_positive(input_clamp, 'input_clamp')
+    x = jnp.clip(x, -input_clamp, input_clamp)
+  if estimator == 'k1':
+    kl = x
+  elif estimator == 'abs':
+    kl = jnp.abs(x)
+  elif estimator == 'k2':
+    kl = 0.5 * x**2
+  else:
+    kl = jnp.exp(-x) - 1.0 + x
+  if output_clamp is not None:
+    check_positive(output_clamp, 'output_clamp')
+    kl = jnp.clip(kl, -output_clamp, output_clamp)
+  if mask is not None:
+    kl = kl * as_f32(mask)
+  return kl
+
+
+class KLControllerState(NamedTuple):
+  """State of a KL coefficient controller."""
+
+  coef: jnp.ndarray  # [] float32, β used for the next step.
+
+
+class KLController(NamedTuple):
+  """An optax-style (init, update) pair for the KL coefficient β.
+
+  `init() -> state`; `update(state, kl, n_steps) -> state`, where `kl` is the
+  KL measured on the batch just trained on and `n_steps` the number of
+  samples (or steps, consistently with `horizon`) it covered.
+  """
+
+  init: callable
+  update: callable
+
+
+def fixed_kl_controller(coef):
+  """β stays at `coef` (veRL `kl_ctrl.type="fixed"`, TRL `beta`)."""
+  check_positive(coef, 'coef', allow_zero=True)
+
+  def init():
+    return KLControllerState(coef=jnp.float32(coef))
+
+  def update(state, kl, n_steps):
+    del kl, n_steps
+    return state
+
+  return KLController(init, update)
+
+
+def adaptive_kl_controller(init_coef, target, horizon, max_error=0.2):
+  """Adaptive β (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences").
+
+    e = clip(KL / target − 1, −max_error, max_error)
+    β ← β · (1 + e · n_steps / horizon)
+
+  Proportional control that drives the measured KL toward `target`. Same
+  rule as veRL's `AdaptiveKLController` and TRL's PPO adaptive KL.
+
+  Args:
+    init_coef: β₀ ≥ 0.  target: KL target > 0.  horizon: > 0, in the unit
+      of n_steps.  max_error: bound on the proportional error.
+
+  Returns:
+    KLController.
+  """
+  check_positive(init_coef, 'init_coef', allow_zero=True)
+  check_positive(target, 'target')
+  check_positive(horizon, 'horizon')
+  check_positive(max_error, 'max_error')
+
+  def init():
+    return KLControllerState(coef=jnp.float32(init_coef))
+
+  def update(state, kl, n_steps):
+    error = jnp.clip(as_f32(kl) / target - 1.0, -max_error, max_error)
+    return KLControllerState(coef=state.coef * (1.0 + error * n_steps / horizon))
+
+  return KLController(init, update)
