@@ -6,6 +6,7 @@ wrong call fails at trace time with a message rather than broadcasting
 silently. Checks look at static shapes only, so they cost nothing under jit.
 """
 
+import numbers
 from collections.abc import Iterable
 
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ def check_choice(value: str, name: str, choices: Iterable[str]) -> None:
 
 def check_group_size(batch: int, group_size: int, name: str = 'group_size') -> None:
   """Raises unless `group_size` is a positive int that divides `batch`."""
-  if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+  if not isinstance(group_size, numbers.Integral) or isinstance(group_size, bool) or group_size < 1:
     raise ValueError(f'`{name}` must be a positive int, got {group_size!r}.')
   if batch % group_size:
     raise ValueError(

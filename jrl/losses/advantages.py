@@ -36,6 +36,17 @@ def _psum(x, axis_name):
   return x if axis_name is None else jax.lax.psum(x, axis_name)
 
 
+def _safe_sqrt(x):
+  """sqrt(x) for x ≥ 0 with a zero (not infinite) derivative at x = 0.
+
+  A zero std is common (tied groups, empty masks) and is always selected
+  away afterwards; the plain sqrt would still put 0 · inf = NaN into the
+  gradient.
+  """
+  positive = x > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.0)), 0.0)
+
+
 def _grouped(rewards, group_size, name='rewards'):
   check_rank(rewards, 1, name, '[B]')
   check_group_size(rewards.shape[0], group_size)
@@ -131,15 +142,19 @@ def grpo_advantages(
     return r_B if scale == 'none' else r_B / (1.0 + eps)
 
   ddof = 1 if std == 'unbiased' else 0
+  tied_Nx1 = _equal_in_group(r_NxG)[:, None]
   centred_NxG = r_NxG - jnp.mean(r_NxG, axis=-1, keepdims=True)
   if scale == 'group':
-    sigma_Nx1 = jnp.sqrt(jnp.sum(centred_NxG**2, axis=-1, keepdims=True) / (group_size - ddof))
-    adv_NxG = centred_NxG / (sigma_Nx1 + eps)
+    var_Nx1 = jnp.sum(centred_NxG**2, axis=-1, keepdims=True) / (group_size - ddof)
+    denom_Nx1 = _safe_sqrt(var_Nx1) + eps
   elif scale == 'batch':
-    adv_NxG = centred_NxG / (batch_std(r_NxG.reshape(-1), ddof=ddof, axis_name=axis_name) + eps)
+    denom_Nx1 = batch_std(r_NxG.reshape(-1), ddof=ddof, axis_name=axis_name) + eps
   else:
-    adv_NxG = centred_NxG
-  adv_NxG = jnp.where(_equal_in_group(r_NxG)[:, None], 0.0, adv_NxG)
+    denom_Nx1 = jnp.float32(1.0)
+  # Tied groups select 0; their denominator is set to 1 so that neither the
+  # value nor the gradient of the unselected branch is 0/0.
+  denom_NxG = jnp.where(tied_Nx1 | (denom_Nx1 == 0), 1.0, denom_Nx1)
+  adv_NxG = jnp.where(tied_Nx1, 0.0, centred_NxG / denom_NxG)
   return adv_NxG.reshape(-1)
 
 
@@ -189,9 +204,12 @@ def loo_advantages(rewards, group_size, *, normalize=True, eps=1e-6):
 
   NeMo-RL's defaults (`use_leave_one_out_baseline=True`,
   `normalize_rewards=True`, ε = 1e-6): each sample is judged against the
-  mean and the spread of its G − 1 siblings. With G = 2 a single sibling has
-  no std, so no sample is rescaled; samples whose siblings all agree are
-  not rescaled either (their A_i = r_i − b_i). A group of one sample gets 0
+  mean and the spread of its G − 1 siblings. With G = 2 a single sibling
+  has no std, so no sample is rescaled; samples whose siblings all agree
+  are not rescaled either (their A_i = r_i − b_i). jrl computes the sibling
+  statistics in two passes and tests "the siblings agree" exactly; a
+  one-pass variance (E[r²] − b², NeMo-RL's form) can turn a zero spread
+  into float noise and divide by it. A group of one sample gets 0
   (NeMo-RL sets the baseline to the reward itself).
 
   Args:
@@ -207,16 +225,22 @@ def loo_advantages(rewards, group_size, *, normalize=True, eps=1e-6):
   g = group_size
   if g == 1:
     return jnp.zeros_like(r_NxG[:, 0])
-  loo_mean_NxG = (jnp.sum(r_NxG, axis=-1, keepdims=True) - r_NxG) / (g - 1)
+  # Siblings of i are the j ≠ i: an explicit [N, G, G] layout (G is small)
+  # so that every statistic is a two-pass sum over the siblings themselves.
+  sib_GxG = ~jnp.eye(g, dtype=bool)
+  r_NxGxG = jnp.broadcast_to(r_NxG[:, None, :], (r_NxG.shape[0], g, g))
+  sib_max_NxG = jnp.max(jnp.where(sib_GxG, r_NxGxG, -jnp.inf), axis=-1)
+  sib_min_NxG = jnp.min(jnp.where(sib_GxG, r_NxGxG, jnp.inf), axis=-1)
+  agree_NxG = sib_max_NxG == sib_min_NxG
+  sib_mean_NxG = jnp.sum(jnp.where(sib_GxG, r_NxGxG, 0.0), axis=-1) / (g - 1)
+  # When the siblings agree their mean is their common value, exactly.
+  loo_mean_NxG = jnp.where(agree_NxG, sib_max_NxG, sib_mean_NxG)
   adv_NxG = r_NxG - loo_mean_NxG
   if normalize and g > 2:
-    # Σ_{j≠i} (r_j − b_i)² = Σ_j r_j² − r_i² − (G−1)·b_i².
-    sq_NxG = jnp.sum(r_NxG**2, axis=-1, keepdims=True) - r_NxG**2 - (g - 1) * loo_mean_NxG**2
-    sigma_NxG = jnp.sqrt(jnp.maximum(sq_NxG, 0.0) / (g - 2))
-    has_spread_NxG = sigma_NxG > 0
-    adv_NxG = jnp.where(
-      has_spread_NxG, adv_NxG / jnp.where(has_spread_NxG, sigma_NxG + eps, 1.0), adv_NxG
-    )
+    dev_NxGxG = jnp.where(sib_GxG, r_NxGxG - loo_mean_NxG[..., None], 0.0)
+    sigma_NxG = _safe_sqrt(jnp.sum(dev_NxGxG**2, axis=-1) / (g - 2))
+    scaled_NxG = ~agree_NxG & (sigma_NxG > 0)
+    adv_NxG = jnp.where(scaled_NxG, adv_NxG / jnp.where(scaled_NxG, sigma_NxG + eps, 1.0), adv_NxG)
   adv_NxG = jnp.where(_equal_in_group(r_NxG)[:, None], 0.0, adv_NxG)
   return adv_NxG.reshape(-1)
 
@@ -238,7 +262,7 @@ def batch_std(x, *, ddof=1, mask=None, axis_name=None):
   n = _psum(jnp.sum(m), axis_name)
   mean = _psum(jnp.sum(x * m), axis_name) / jnp.maximum(n, 1.0)
   ss = _psum(jnp.sum(m * (x - mean) ** 2), axis_name)
-  return jnp.sqrt(ss / jnp.maximum(n - ddof, 1.0))
+  return _safe_sqrt(ss / jnp.maximum(n - ddof, 1.0))
 
 
 WHITEN_EPS_MODES = ('var', 'std', 'clamp')
@@ -276,13 +300,14 @@ def whiten(x, mask, *, shift_mean=True, ddof=1, eps=1e-8, eps_mode='var', axis_n
   x, m = as_f32(x), as_f32(mask)
   n = _psum(jnp.sum(m), axis_name)
   mean = _psum(jnp.sum(x * m), axis_name) / jnp.maximum(n, 1.0)
-  var = jnp.square(batch_std(x, ddof=ddof, mask=m, axis_name=axis_name))
+  ss = _psum(jnp.sum(m * (x - mean) ** 2), axis_name)
+  var = ss / jnp.maximum(n - ddof, 1.0)
   if eps_mode == 'var':
-    scale = jnp.sqrt(var + eps)
+    scale = _safe_sqrt(var + eps)
   elif eps_mode == 'clamp':
-    scale = jnp.sqrt(jnp.maximum(var, eps))
+    scale = _safe_sqrt(jnp.maximum(var, eps))
   else:
-    scale = jnp.sqrt(var) + eps
+    scale = _safe_sqrt(var) + eps
   out = (x - mean) if shift_mean else x
   return out / jnp.where(scale > 0, scale, 1.0) * m
 
@@ -310,6 +335,7 @@ def token_level_rewards(rewards, mask, *, kl=None, kl_coef=0.0):
   if mask.shape[0] != rewards.shape[0]:
     raise ValueError(f'`mask` must have B={rewards.shape[0]} rows, got {mask.shape}.')
   check_same_shape('mask', mask, kl=kl)
+  check_positive(kl_coef, 'kl_coef', allow_zero=True)
   m = as_f32(mask)
   t = m.shape[1]
   last_B = t - 1 - jnp.argmax(m[:, ::-1], axis=-1)
@@ -344,7 +370,8 @@ def discounted_returns(token_rewards, mask, *, gamma=1.0):
     ret_B = r_B + gamma * carry_B
     return jnp.where(m_B > 0, ret_B, carry_B), ret_B * m_B
 
-  _, ret_TxB = jax.lax.scan(step, jnp.zeros(r.shape[0]), (r.T, m.T), reverse=True)
+  # zeros_like(r[:, 0]) (not zeros(B)) so the carry varies over a shard_map axis like r.
+  _, ret_TxB = jax.lax.scan(step, jnp.zeros_like(r[:, 0]), (r.T, m.T), reverse=True)
   return ret_TxB.T
 
 
@@ -449,7 +476,7 @@ def gae(token_rewards, values, mask, *, gamma=1.0, lam=1.0):
     carry = (jnp.where(valid_B, v_B, next_value_B), jnp.where(valid_B, adv_B, next_adv_B))
     return carry, adv_B * m_B
 
-  zeros_B = jnp.zeros(r.shape[0])
+  zeros_B = jnp.zeros_like(r[:, 0])  # varies over a shard_map axis like r
   _, adv_TxB = jax.lax.scan(step, (zeros_B, zeros_B), (r.T, v.T, m.T), reverse=True)
   adv = adv_TxB.T
   return adv, (adv + v) * m

@@ -9,7 +9,7 @@ from Schulman (2020), "Approximating KL divergence":
 | 'k1'      | x                            | yes      | can be negative                |
 | 'abs'     | abs(x)                       | no       | veRL 'abs'                     |
 | 'k2'      | x² / 2                       | no       | veRL 'mse'; gradient = k1's    |
-| 'k3'      | exp(−x) − 1 + x              | yes      | ≥ 0; veRL 'low_var_kl', GRPO  |
+| 'k3'      | exp(−x) − 1 + x              | yes      | ≥ 0; veRL 'low_var_kl', GRPO   |
 
 Clamps, as each framework applies them (`jrl.losses.presets` sets them):
 * veRL `low_var_kl`: x clamped to [−20, 20] before exp, the k3 value to
@@ -51,6 +51,9 @@ def kl_penalty(logp, ref_logp, *, estimator='k3', input_clamp=None, output_clamp
   check_same_shape('logp', logp, ref_logp=ref_logp, mask=mask)
   check_choice(estimator, 'estimator', KL_ESTIMATORS)
   x = as_f32(logp) - as_f32(ref_logp)
+  if mask is not None:
+    # Select, not multiply: padding may hold −inf or huge log-ratios.
+    x = jnp.where(as_f32(mask) > 0, x, 0.0)
   if input_clamp is not None:
     check_positive(input_clamp, 'input_clamp')
     x = jnp.clip(x, -input_clamp, input_clamp)
@@ -61,7 +64,8 @@ def kl_penalty(logp, ref_logp, *, estimator='k3', input_clamp=None, output_clamp
   elif estimator == 'k2':
     kl = 0.5 * x**2
   else:
-    kl = jnp.exp(-x) - 1.0 + x
+    # expm1 keeps k3 ≥ 0 near x = 0, where exp(−x) − 1 cancels in float32.
+    kl = jnp.expm1(-x) + x
   if output_clamp is not None:
     check_positive(output_clamp, 'output_clamp')
     kl = jnp.clip(kl, -output_clamp, output_clamp)

@@ -40,7 +40,8 @@ def _check_temperature(temperature):
 
 
 def _check_chunk(chunk_size):
-  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+  bad = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+  if chunk_size is not None and bad:
     raise ValueError(f'`chunk_size` must be a positive int or None, got {chunk_size!r}.')
 
 
@@ -48,6 +49,9 @@ def _stats_from_logits(logits_NxV, targets_N, temperature, with_entropy):
   """Float32 target logprob (and entropy) for N rows of logits."""
   # Softmax statistics are always computed in float32.
   z_NxV = logits_NxV.astype(jnp.float32) / temperature
+  # Shift by the row max so that lse − Σ p·z does not cancel large numbers.
+  z_max_Nx1 = jax.lax.stop_gradient(jnp.max(z_NxV, axis=-1, keepdims=True))
+  z_NxV = z_NxV - z_max_Nx1
   lse_N = jax.nn.logsumexp(z_NxV, axis=-1)
   target_z_N = jnp.take_along_axis(z_NxV, targets_N[:, None], axis=-1)[:, 0]
   logp_N = target_z_N - lse_N

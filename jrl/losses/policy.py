@@ -36,9 +36,18 @@ from jrl.losses._checks import (
 
 
 def _check_inputs(logp, old_logp, advantages, mask):
+  """Checks shapes, casts to float32 and zeroes every input at padding.
+
+  Padding positions may hold anything (−inf, huge log-ratios); selecting 0
+  there (not multiplying by the mask) keeps values, metrics and gradients
+  finite whatever the padding holds.
+  """
   check_rank(logp, 2, 'logp', '[B, T]')
   check_same_shape('logp', logp, old_logp=old_logp, advantages=advantages, mask=mask)
-  return as_f32(logp), jax.lax.stop_gradient(as_f32(old_logp)), as_f32(advantages), as_f32(mask)
+  m = as_f32(mask)
+  valid = m > 0
+  clean = lambda x: jnp.where(valid, as_f32(x), 0.0)
+  return clean(logp), jax.lax.stop_gradient(clean(old_logp)), clean(advantages), m
 
 
 def _log_ratio(logp, old_logp, log_ratio_clamp):
@@ -310,7 +319,7 @@ def importance_weights(
     if low > high:
       raise ValueError(f'`low` ({low}) must be <= `high` ({high}).')
   m = as_f32(mask)
-  log_w = (as_f32(old_logp) - as_f32(sampler_logp)) * m
+  log_w = jnp.where(m > 0, as_f32(old_logp) - as_f32(sampler_logp), 0.0)
   log_w = jax.lax.stop_gradient(log_w)
   if level == 'sequence':
     log_w = jnp.broadcast_to(jnp.sum(log_w, axis=-1, keepdims=True), log_w.shape)

@@ -37,9 +37,11 @@ import jax.numpy as jnp
 from jrl.losses._checks import as_f32, check_positive, check_rank, check_same_shape
 
 
-def _check(chosen, **others):
-  check_rank(chosen, 1, 'chosen_logp', '[B]')
-  check_same_shape('chosen_logp', chosen, **others)
+def _check(chosen_name, chosen, **others):
+  check_rank(chosen, 1, chosen_name, '[B]')
+  for name, x in others.items():
+    check_rank(x, 1, name, '[B]')
+  check_same_shape(chosen_name, chosen, **others)
 
 
 def _reward_metrics(r_c, r_r):
@@ -54,6 +56,7 @@ def _reward_metrics(r_c, r_r):
 
 def _margin(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp):
   _check(
+    'chosen_logp',
     chosen_logp,
     rejected_logp=rejected_logp,
     ref_chosen_logp=ref_chosen_logp,
@@ -133,7 +136,7 @@ def simpo_loss(chosen_avg_logp, rejected_avg_logp, *, beta=2.0, gamma=0.5, label
   Returns:
     (loss [B], metrics) with rewards β·ā.
   """
-  _check(chosen_avg_logp, rejected_avg_logp=rejected_avg_logp)
+  _check('chosen_avg_logp', chosen_avg_logp, rejected_avg_logp=rejected_avg_logp)
   check_positive(beta, 'beta')
   check_positive(gamma, 'gamma', allow_zero=True)
   if not 0.0 <= label_smoothing <= 0.5:
@@ -165,7 +168,7 @@ def orpo_loss(chosen_avg_logp, rejected_avg_logp, *, lam=0.1):
     (loss [B], metrics) with `log_odds_ratio` and `nll_chosen`; rewards are
     λ·ā as in TRL.
   """
-  _check(chosen_avg_logp, rejected_avg_logp=rejected_avg_logp)
+  _check('chosen_avg_logp', chosen_avg_logp, rejected_avg_logp=rejected_avg_logp)
   check_positive(lam, 'lam', allow_zero=True)
   c = jnp.minimum(as_f32(chosen_avg_logp), -1e-6)
   r = jnp.minimum(as_f32(rejected_avg_logp), -1e-6)

@@ -42,10 +42,18 @@ loss of the *global* batch, equal to the single-device value on the whole
 batch; `num_seqs` then defaults to the global row count. Without
 `axis_name`, under `jax.jit` with sharded inputs, the reduction is global
 already (GSPMD inserts the collectives).
+
+Gradients: under `shard_map` (which checks replication) the gradient of a
+reduction with `axis_name` is each device's share of the global gradient,
+as it should be. Under `pmap`, JAX transposes `psum` to `psum`, so
+`jax.grad` inside the pmapped function returns the global gradient times
+the device count on every device: average such gradients over devices
+(`pmean`), do not sum them.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrl.losses._checks import as_f32, check_choice, check_rank, check_same_shape
 
@@ -109,7 +117,7 @@ def token_mean(x, mask, *, axis_name=None):
 def _num_seqs(x, num_seqs, axis_name):
   if num_seqs is None:
     return _psum(jnp.float32(x.shape[0]), axis_name)
-  if isinstance(num_seqs, int | float) and not num_seqs > 0:
+  if not isinstance(num_seqs, jax.core.Tracer) and not np.all(np.asarray(num_seqs) > 0):
     raise ValueError(f'`num_seqs` must be > 0, got {num_seqs!r}.')
   return as_f32(num_seqs)
 

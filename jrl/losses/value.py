@@ -40,10 +40,11 @@ def value_loss(values, old_values, returns, mask, *, clip_eps=0.5, axis_name=Non
   """
   check_rank(values, 2, 'values', '[B, T]')
   check_same_shape('values', values, old_values=old_values, returns=returns, mask=mask)
-  v = as_f32(values)
-  old_v = jax.lax.stop_gradient(as_f32(old_values))
-  ret = jax.lax.stop_gradient(as_f32(returns))
   m = as_f32(mask)
+  clean = lambda x: jnp.where(m > 0, as_f32(x), 0.0)  # padding may hold anything
+  v = clean(values)
+  old_v = jax.lax.stop_gradient(clean(old_values))
+  ret = jax.lax.stop_gradient(clean(returns))
   unclipped = (v - ret) ** 2
   if clip_eps is None:
     loss = 0.5 * unclipped
