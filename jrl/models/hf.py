@@ -1,0 +1,318 @@
+"""Hugging Face checkpoints: `config.json` + `*.safetensors` in a local directory.
+
+`load(path)` reads the config, then every tensor, each placed directly in its
+final sharding: with a mesh, each device reads only its own slice of the file
+(`jax.make_array_from_callback` over a memory map), so no device ever holds a
+full host copy of a sharded tensor. `save(path, ...)` writes the parameters
+back with Hugging Face names and layouts, in their stored dtype, so that
+load → save is bit-exact and `transformers` reads the result.
+
+Nothing is downloaded and pickle files (`*.bin`, `*.pt`, `*.pth`) are never
+read.
+
+Name map (jrl path -> Hugging Face name; kernels are stored [in, out] here
+and [out, in] there):
+
+    embed/embedding                 model.embed_tokens.weight
+    layers/i/attn_norm/scale        model.layers.i.input_layernorm.weight
+    layers/i/attn/{q,k,v,o}/kernel  model.layers.i.self_attn.{q,k,v,o}_proj.weight   (T)
+    layers/i/attn/{q,k,v}/bias      model.layers.i.self_attn.{q,k,v}_proj.bias
+    layers/i/attn/{q,k}_norm/scale  model.layers.i.self_attn.{q,k}_norm.weight
+    layers/i/mlp_norm/scale         model.layers.i.post_attention_layernorm.weight
+    layers/i/mlp/{gate,up,down}/kernel  model.layers.i.mlp.{gate,up,down}_proj.weight (T)
+    final_norm/scale                model.norm.weight
+    lm_head/kernel                  lm_head.weight                                  (T)
+    score/kernel                    score.weight                                    (T)
+"""
+
+import glob
+import json
+import os
+import shutil
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jrl import parallel
+from jrl.models import transformer
+from jrl.models.config import ModelConfig
+from jrl.models.safetensors_io import SafetensorsFile, save_file
+
+_PICKLE_PATTERNS = ('*.bin', '*.pt', '*.pth', '*.ckpt', '*.pkl')
+_IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints carry
+_INDEX = 'model.safetensors.index.json'
+_COPIED_FILES = (
+  'tokenizer.json',
+  'tokenizer_config.json',
+  'special_tokens_map.json',
+  'generation_config.json',
+  'vocab.json',
+  'merges.txt',
+)
+
+
+class Checkpoint(NamedTuple):
+  """What `load` returns."""
+
+  config: ModelConfig
+  graphdef: Any
+  params: Any  # nnx.State of jax.Arrays
+  hf_config: dict  # the config.json read, written back unchanged by `save`
+
+
+def hf_name(path):
+  """Hugging Face tensor name and whether it is stored transposed, for a jrl path."""
+  if path == ('embed', 'embedding'):
+    return 'model.embed_tokens.weight', False
+  if path == ('final_norm', 'scale'):
+    return 'model.norm.weight', False
+  if path == ('lm_head', 'kernel'):
+    return 'lm_head.weight', True
+  if path == ('score', 'kernel'):
+    return 'score.weight', True
+  if path[0] == 'layers':
+    i, rest = path[1], path[2:]
+    prefix = f'model.layers.{i}.'
+    if rest == ('attn_norm', 'scale'):
+      return prefix + 'input_layernorm.weight', False
+    if rest == ('mlp_norm', 'scale'):
+      return prefix + 'post_attention_layernorm.weight', False
+    if rest[0] == 'attn' and rest[1] in ('q', 'k', 'v', 'o'):
+      kind = 'weight' if rest[2] == 'kernel' else 'bias'
+      return f'{prefix}self_attn.{rest[1]}_proj.{kind}', kind == 'weight'
+    if rest[0] == 'attn' and rest[1] in ('q_norm', 'k_norm'):
+      return f'{prefix}self_attn.{rest[1]}.weight', False
+    if rest[0] == 'mlp':
+      return f'{prefix}mlp.{rest[1]}_proj.weight', True
+  raise ValueError(f'no Hugging Face name for parameter {"/".join(map(str, path))}.')
+
+
+def _read_json(path):
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path}: file not found.')
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{path}: invalid JSON ({e}).') from None
+
+
+def load_config(path, **overrides):
+  """(ModelConfig, raw config.json dict) from a checkpoint directory."""
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'{path}: checkpoint directory not found.')
+  cfg_path = os.path.join(path, 'config.json')
+  hf = _read_json(cfg_path)
+  return ModelConfig.from_hf(hf, source=cfg_path, **overrides), hf
+
+
+def _open_files(path):
+  """{tensor name: SafetensorsFile} for the checkpoint in `path`."""
+  files = sorted(glob.glob(os.path.join(path, '*.safetensors')))
+  index_path = os.path.join(path, _INDEX)
+  if os.path.exists(index_path):
+    index = _read_json(index_path)
+    weight_map = index.get('weight_map')
+    if not isinstance(weight_map, dict):
+      raise ValueError(f'{index_path}: missing or invalid `weight_map`.')
+    opened = {}
+    for fname in sorted(set(weight_map.values())):
+      fpath = os.path.join(path, fname)
+      if not os.path.exists(fpath):
+        raise FileNotFoundError(f'{fpath}: listed in {_INDEX} but not found.')
+      opened[fname] = SafetensorsFile(fpath)
+    names = {}
+    for name, fname in weight_map.items():
+      if name not in opened[fname]:
+        raise ValueError(
+          f'{os.path.join(path, fname)}: tensor `{name}` listed in {_INDEX} is missing.'
+        )
+      names[name] = opened[fname]
+    return names
+  if not files:
+    pickles = [p for pat in _PICKLE_PATTERNS for p in glob.glob(os.path.join(path, pat))]
+    hint = (
+      f' Found {os.path.basename(pickles[0])}: pickle checkpoints are never read; '
+      'convert them to safetensors first.'
+      if pickles
+      else ''
+    )
+    raise FileNotFoundError(f'{path}: no *.safetensors files.{hint}')
+  names = {}
+  for fpath in files:
+    f = SafetensorsFile(fpath)
+    for name in f.keys():
+      if name in names:
+        raise ValueError(f'{fpath}: tensor `{name}` also appears in {names[name].path}.')
+      names[name] = f
+  return names
+
+
+def load(
+  path,
+  *,
+  mesh=None,
+  rules=None,
+  lm_head=True,
+  scalar_head=False,
+  head_key=None,
+  **config_overrides,
+):
+  """Loads a Hugging Face checkpoint directory into a (sharded) parameter pytree.
+
+  Args:
+    path: directory with config.json and *.safetensors (single file or with
+      model.safetensors.index.json).
+    mesh: place parameters on this mesh by the logical rules; None: on the
+      default device.
+    rules: logical -> mesh axis rules (default `jrl.parallel.RULES`).
+    lm_head: build the LM head (policy / reference). An `lm_head.weight` in
+      the file is ignored when False (critic from a policy checkpoint).
+    scalar_head: build the scalar `score` head. If the file has no
+      `score.weight` (a policy checkpoint), it is initialised with `head_key`.
+    head_key: PRNG key for a missing scalar head (required then).
+    **config_overrides: ModelConfig fields, e.g. param_dtype='bfloat16'.
+
+  Returns:
+    Checkpoint(config, graphdef, params, hf_config).
+  """
+  config, hf_config = load_config(path, **config_overrides)
+  tensors = _open_files(path)
+  graphdef, abstract_params = transformer.abstract(config, lm_head=lm_head, scalar_head=scalar_head)
+  if mesh is not None:
+    shardings = parallel.param_shardings(
+      mesh, abstract_params, transformer.param_logical_axes, rules
+    )
+  else:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract_params)
+
+  used = set()
+  missing_head = []
+
+  def load_one(key_path, leaf, sharding):
+    jrl_path = parallel.path_keys(key_path)
+    name, transposed = hf_name(jrl_path)
+    if name not in tensors:
+      if name == 'score.weight':
+        missing_head.append((key_path, leaf, sharding))
+        return None
+      raise ValueError(f'{path}: tensor `{name}` (for {"/".join(map(str, jrl_path))}) is missing.')
+    f = tensors[name]
+    expected = leaf.shape[::-1] if transposed else leaf.shape
+    if tuple(f.shape(name)) != tuple(expected):
+      raise ValueError(
+        f'{f.path}: tensor `{name}` has shape {list(f.shape(name))}, expected '
+        f'{list(expected)} from config.json.'
+      )
+    used.add(name)
+    dtype = leaf.dtype
+
+    def read(index):
+      if transposed:
+        return f.read(name, index[::-1]).T.astype(dtype)
+      return f.read(name, index).astype(dtype)
+
+    return jax.make_array_from_callback(leaf.shape, sharding, read)
+
+  params = jax.tree_util.tree_map_with_path(load_one, abstract_params, shardings)
+  if missing_head:
+    if head_key is None:
+      raise ValueError(
+        f'{path}: no `score.weight` in the checkpoint; pass `head_key` to initialise '
+        'the scalar head (critic or reward model from a policy checkpoint).'
+      )
+    std = config.init_std
+    (key_path, leaf, sharding) = missing_head[0]
+    head = jax.jit(
+      lambda k: (std * jax.random.normal(k, leaf.shape)).astype(leaf.dtype),
+      out_shardings=sharding,
+    )(head_key)
+    params = jax.tree_util.tree_map_with_path(
+      lambda p, x: head if p == key_path else x, params, is_leaf=lambda x: x is None
+    )
+
+  ignorable = {'lm_head.weight'} if (config.tie_embeddings or not lm_head) else set()
+  extra = sorted(
+    n for n in tensors if n not in used and n not in ignorable and not n.endswith(_IGNORED_SUFFIXES)
+  )
+  if extra:
+    raise ValueError(
+      f'{path}: {len(extra)} tensors are not used by a {config.family} model of this '
+      f'config: {extra[:5]}{" ..." if len(extra) > 5 else ""}.'
+    )
+  return Checkpoint(config, graphdef, params, hf_config)
+
+
+def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_bytes=4 * 2**30):
+  """Writes `params` as a Hugging Face checkpoint directory.
+
+  Args:
+    path: output directory (created).
+    config: the ModelConfig.
+    params: the parameter pytree (any sharding; gathered tensor by tensor).
+    hf_config: the config.json dict read at load time, kept as is apart from
+      the fields jrl owns; None writes a fresh one.
+    source_dir: copy tokenizer and generation files from this directory.
+    max_shard_bytes: split into `model-0000i-of-0000n.safetensors` with an
+      index above this size.
+  """
+  os.makedirs(path, exist_ok=True)
+  out_config = config.to_hf(hf_config)
+  if 'score' in params and not any(
+    'SequenceClassification' in a for a in out_config.get('architectures', [])
+  ):
+    family_arch = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3'}[config.family]
+    out_config['architectures'] = [f'{family_arch}ForSequenceClassification']
+    out_config['num_labels'] = 1
+
+  entries = []
+  for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    name, transposed = hf_name(parallel.path_keys(key_path))
+    entries.append((name, leaf, transposed))
+
+  shards, current, size = [], {}, 0
+  for name, leaf, transposed in entries:
+    # One tensor at a time on the host.
+    host = np.asarray(jax.device_get(leaf))
+    host = host.T if transposed else host
+    if current and size + host.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = host
+    size += host.nbytes
+  shards.append(current)
+
+  metadata = {'format': 'pt'}
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(path, 'model.safetensors'), metadata)
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors'
+      save_file(shard, os.path.join(path, fname), metadata)
+      weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(a.nbytes for s in shards for a in s.values())
+    with open(os.path.join(path, _INDEX), 'w', encoding='utf-8') as f:
+      json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
+  with open(os.path.join(path, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(out_config, f, indent=2, sort_keys=True)
+  if source_dir is not None:
+    for fname in _COPIED_FILES:
+      src = os.path.join(source_dir, fname)
+      if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, fname)):
+        shutil.copyfile(src, os.path.join(path, fname))
+
+
+def to_host(params):
+  """{Hugging Face name: np.ndarray in HF layout}, for comparisons and export."""
+  out = {}
+  for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    name, transposed = hf_name(parallel.path_keys(key_path))
+    host = np.asarray(jax.device_get(leaf))
+    out[name] = host.T if transposed else host
+  return out
+
+
+__all__ = ['Checkpoint', 'hf_name', 'load', 'load_config', 'save', 'to_host']

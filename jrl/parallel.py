@@ -1,0 +1,139 @@
+"""Meshes, logical-axis rules and parameter shardings.
+
+jrl runs on a `jax.sharding.Mesh` with three named axes:
+
+* `data`: pure data parallelism (parameters replicated);
+* `fsdp`: data parallelism with parameters (and optimiser state) sharded
+  along their `embed` dimension (ZeRO-3 style; XLA gathers them per layer);
+* `tensor`: tensor (model) parallelism over heads, MLP width and vocabulary.
+
+Every parameter carries logical axis names (`('embed', 'mlp')`, ...; the
+model defines them), and `RULES` maps logical names to mesh axes. A
+dimension that the mesh axis does not divide is replicated instead, so any
+mesh shape works with any model (at some cost in memory).
+"""
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')  # the batch dimension is split over both
+
+# logical axis -> mesh axis (None: replicated).
+RULES = {
+  'vocab': 'tensor',
+  'embed': 'fsdp',
+  'q_heads': 'tensor',
+  'kv_heads': 'tensor',
+  'mlp': 'tensor',
+  'norm': None,
+  'head_out': None,
+}
+
+
+def make_mesh(data=-1, fsdp=1, tensor=1, devices=None):
+  """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices.
+
+  Args:
+    data, fsdp, tensor: axis sizes; their product must equal the device count.
+    devices: devices to use (default: all of `jax.devices()`).
+
+  Returns:
+    jax.sharding.Mesh with axis names MESH_AXES (auto sharding mode).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = {'data': data, 'fsdp': fsdp, 'tensor': tensor}
+  for name, size in sizes.items():
+    if not isinstance(size, int) or size == 0 or size < -1:
+      raise ValueError(f'mesh axis `{name}` must be a positive int or -1, got {size!r}.')
+  free = [name for name, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ValueError(f'at most one mesh axis may be -1, got {free}.')
+  known = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if len(devices) % known:
+      raise ValueError(
+        f'{len(devices)} devices cannot be split into mesh axes {sizes} '
+        f'(the fixed axes multiply to {known}).'
+      )
+    sizes[free[0]] = len(devices) // known
+  if math.prod(sizes.values()) != len(devices):
+    raise ValueError(
+      f'mesh axes {sizes} multiply to {math.prod(sizes.values())}, '
+      f'but there are {len(devices)} devices.'
+    )
+  shape = tuple(sizes[name] for name in MESH_AXES)
+  grid = np.asarray(devices, dtype=object).reshape(shape)
+  return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec_for(shape, logical_axes, mesh, rules=None):
+  """PartitionSpec for one array from its logical axes.
+
+  A dimension is sharded over the rule's mesh axis only if that axis has size
+  > 1, divides the dimension, and is not already used by another dimension.
+  """
+  rules = RULES if rules is None else rules
+  if len(logical_axes) != len(shape):
+    raise ValueError(f'logical axes {logical_axes} do not match shape {shape}.')
+  used, spec = set(), []
+  for dim, name in zip(shape, logical_axes, strict=True):
+    if name is not None and name not in rules:
+      raise ValueError(f'no sharding rule for logical axis `{name}`; rules: {sorted(rules)}.')
+    axis = None if name is None else rules[name]
+    size = mesh.shape[axis] if axis is not None else 1
+    if axis is None or size == 1 or dim % size or axis in used:
+      spec.append(None)
+    else:
+      spec.append(axis)
+      used.add(axis)
+  return P(*spec)
+
+
+def param_shardings(mesh, params, logical_axes_fn, rules=None):
+  """A NamedSharding for every leaf of `params` (arrays or ShapeDtypeStructs).
+
+  Args:
+    mesh: the mesh.
+    params: a pytree (e.g. an nnx.State) of arrays or ShapeDtypeStructs.
+    logical_axes_fn: path tuple -> logical axes (the model's table).
+    rules: logical -> mesh axis mapping (default RULES).
+
+  Returns:
+    A pytree of NamedSharding with the structure of `params`.
+  """
+
+  def one(path, leaf):
+    keys = path_keys(path)
+    return NamedSharding(mesh, spec_for(leaf.shape, logical_axes_fn(keys), mesh, rules))
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def path_keys(path):
+  """A jax key path as a tuple of plain str / int keys (no `.value` suffix)."""
+  keys = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      keys.append(k.key)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      keys.append(k.idx)
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      if k.name != 'value':
+        keys.append(k.name)
+    else:
+      keys.append(str(k))
+  return tuple(keys)
+
+
+def batch_sharding(mesh, ndim=2):
+  """Batch-major arrays: first dimension split over (data, fsdp)."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh):
+  return NamedSharding(mesh, P())
