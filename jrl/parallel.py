@@ -71,13 +71,16 @@ def make_mesh(data=-1, fsdp=1, tensor=1, devices=None):
   return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def spec_for(shape, logical_axes, mesh, rules=None):
+def spec_for(shape, logical_axes, mesh, rules=None, units=None):
   """PartitionSpec for one array from its logical axes.
 
   A dimension is sharded over the rule's mesh axis only if that axis has size
-  > 1, divides the dimension, and is not already used by another dimension.
+  > 1, is not already used by another dimension, and splits the dimension
+  into whole units (`units[name]`, e.g. a head's width for flattened head
+  dimensions; 1 by default).
   """
   rules = RULES if rules is None else rules
+  units = units or {}
   if len(logical_axes) != len(shape):
     raise ValueError(f'logical axes {logical_axes} do not match shape {shape}.')
   used, spec = set(), []
@@ -86,7 +89,7 @@ def spec_for(shape, logical_axes, mesh, rules=None):
       raise ValueError(f'no sharding rule for logical axis `{name}`; rules: {sorted(rules)}.')
     axis = None if name is None else rules[name]
     size = mesh.shape[axis] if axis is not None else 1
-    if axis is None or size == 1 or dim % size or axis in used:
+    if axis is None or size == 1 or dim % (size * units.get(name, 1)) or axis in used:
       spec.append(None)
     else:
       spec.append(axis)
@@ -94,7 +97,7 @@ def spec_for(shape, logical_axes, mesh, rules=None):
   return P(*spec)
 
 
-def param_shardings(mesh, params, logical_axes_fn, rules=None):
+def param_shardings(mesh, params, logical_axes_fn, rules=None, units=None):
   """A NamedSharding for every leaf of `params` (arrays or ShapeDtypeStructs).
 
   Args:
@@ -102,6 +105,7 @@ def param_shardings(mesh, params, logical_axes_fn, rules=None):
     params: a pytree (e.g. an nnx.State) of arrays or ShapeDtypeStructs.
     logical_axes_fn: path tuple -> logical axes (the model's table).
     rules: logical -> mesh axis mapping (default RULES).
+    units: logical name -> size of the smallest piece a shard may hold.
 
   Returns:
     A pytree of NamedSharding with the structure of `params`.
@@ -109,7 +113,8 @@ def param_shardings(mesh, params, logical_axes_fn, rules=None):
 
   def one(path, leaf):
     keys = path_keys(path)
-    return NamedSharding(mesh, spec_for(leaf.shape, logical_axes_fn(keys), mesh, rules))
+    spec = spec_for(leaf.shape, logical_axes_fn(keys), mesh, rules, units)
+    return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(one, params)
 

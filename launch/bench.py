@@ -1,6 +1,7 @@
 """Benchmarks that print figures. Speed and memory goals live here, not in tests.
 
     python launch/bench.py logprobs [--tokens 2048 --vocab 32768 --width 256 --chunk 256]
+    python launch/bench.py model [--size cpu-20m|gpu-0.5b --batch 8 --seq 256]
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -75,6 +76,97 @@ def bench_logprobs(args):
   )
 
 
+MODEL_SIZES = {
+  # ~22M parameters (tied 8k vocabulary): sized for a 2-core CPU.
+  'cpu-20m': dict(
+    vocab_size=8192,
+    width=512,
+    mlp_width=1408,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    tie_embeddings=True,
+  ),
+  # The shape of Qwen2.5-0.5B (~494M parameters).
+  'gpu-0.5b': dict(
+    vocab_size=151936,
+    width=896,
+    mlp_width=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    tie_embeddings=True,
+    qkv_bias=True,
+    family='qwen2',
+  ),
+}
+
+
+def measure_matmul_peak(n=2048, dtype='float32', repeats=10):
+  """Best FLOP/s of an n×n×n matmul on the default device (fastest of `repeats`:
+  a peak, so the least disturbed run counts)."""
+  key_a, key_b = jax.random.split(jax.random.PRNGKey(1))
+  a = jax.random.normal(key_a, (n, n), dtype)
+  b = jax.random.normal(key_b, (n, n), dtype)
+  f = jax.jit(jnp.dot)
+  jax.block_until_ready(f(a, b))
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(a, b))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best
+
+
+def model_flops_per_token(config, seq):
+  """Matmul FLOPs per token of a forward pass: 2 per weight multiply-add
+  (LM head included, embedding lookup excluded) plus causal attention."""
+  c = config
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  per_layer = 2 * (c.width * q + 2 * c.width * kv + q * c.width + 3 * c.width * c.mlp_width)
+  # QK^T and PV over on average seq/2 keys.
+  per_layer += 2 * 2 * q * (seq / 2)
+  return c.num_layers * per_layer + 2 * c.width * c.vocab_size
+
+
+def bench_model(args):
+  from jrl import models
+
+  config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
+  graphdef, params = models.create(config, jax.random.PRNGKey(0))
+  b, t = args.batch, args.seq
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0, config.vocab_size)
+  mask = jnp.ones((b, t), bool)
+
+  def loss_fn(p):
+    logp, _ = models.next_token_logprobs(graphdef, p, tokens, mask)
+    return -jnp.mean(logp[:, 1:])
+
+  fwd = jax.jit(loss_fn)
+  fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
+  backend = jax.default_backend()
+  print(
+    f'model {args.size}: {config.num_params() / 1e6:.1f}M params, batch {b}x{t}, '
+    f'compute {config.compute_dtype}, backend {backend} ({jax.devices()[0].device_kind})'
+  )
+  flops_tok = model_flops_per_token(config, t)
+  for name, fn, mult in (('forward', fwd, 1), ('forward+backward', fwd_bwd, 3)):
+    # Peak measured next to each run, so both see the same machine load.
+    peak = measure_matmul_peak(dtype=args.peak_dtype)
+    start = time.perf_counter()
+    compiled = fn.lower(params).compile()
+    compile_s = time.perf_counter() - start
+    sec = _median_seconds(compiled, (params,), args.repeats)
+    tok_s = b * t / sec
+    mfu = tok_s * flops_tok * mult / peak
+    print(
+      f'  {name:17s} {tok_s:10.0f} tokens/s  {1e3 * sec:9.1f} ms/step  '
+      f'MFU {100 * mfu:5.1f}%  (compile {compile_s:.1f} s)'
+    )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='bench', required=True)
@@ -85,8 +177,15 @@ def main():
   p.add_argument('--chunk', type=int, default=256)
   p.add_argument('--dtype', default='bfloat16')
   p.add_argument('--repeats', type=int, default=5)
+  p = sub.add_parser('model', help='transformer forward / forward+backward throughput and MFU')
+  p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
+  p.add_argument('--batch', type=int, default=8)
+  p.add_argument('--seq', type=int, default=256)
+  p.add_argument('--compute_dtype', default='float32')
+  p.add_argument('--peak_dtype', default='float32', help='dtype of the peak-measuring matmul')
+  p.add_argument('--repeats', type=int, default=5)
   args = parser.parse_args()
-  {'logprobs': bench_logprobs}[args.bench](args)
+  {'logprobs': bench_logprobs, 'model': bench_model}[args.bench](args)
 
 
 if __name__ == '__main__':

@@ -2,16 +2,16 @@
 
 from jrl.models.config import ModelConfig, RopeScaling
 from jrl.models.transformer import (
-    abstract,
-    causal_attention,
-    create,
-    create_sharded,
-    dot_attention,
-    hidden_states,
-    logits,
-    next_token_logprobs,
-    param_logical_axes,
-    positions_from_mask,
-    sequence_scores,
-    values,
+  abstract,
+  causal_attention,
+  create,
+  create_sharded,
+  dot_attention,
+  hidden_states,
+  logits,
+  next_token_logprobs,
+  param_logical_axes,
+  positions_from_mask,
+  sequence_scores,
+  values,
 )

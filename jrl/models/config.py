@@ -73,6 +73,9 @@ class ModelConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f'`head_dim` must be even for rotary embeddings, got {self.head_dim}.')
+    _positive_int(self.max_positions, 'max_positions')
+    if not self.init_std > 0:
+      raise ValueError(f'`init_std` must be > 0, got {self.init_std}.')
     for name in ('param_dtype', 'compute_dtype'):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f'`{name}` must be one of {DTYPES}, got {getattr(self, name)!r}.')
@@ -140,8 +143,14 @@ class ModelConfig:
     act = hf.get('hidden_act', 'silu')
     if act != 'silu':
       raise ValueError(f'{source}: `hidden_act`={act!r} is not supported (only "silu").')
-    if hf.get('use_sliding_window', False):
-      raise ValueError(f'{source}: `use_sliding_window`=true is not supported.')
+    # Qwen2 applies the window to layers >= max_window_layers only.
+    if hf.get('use_sliding_window', False) and hf.get('max_window_layers', 0) < hf.get(
+      'num_hidden_layers', 0
+    ):
+      raise ValueError(
+        f'{source}: `use_sliding_window`=true with `max_window_layers` below '
+        '`num_hidden_layers` (sliding-window attention) is not supported.'
+      )
     if hf.get('mlp_bias', False):
       raise ValueError(f'{source}: `mlp_bias`=true is not supported.')
 
@@ -175,7 +184,7 @@ class ModelConfig:
       'mlp_width': need('intermediate_size'),
       'num_layers': need('num_hidden_layers'),
       'num_heads': num_heads,
-      'num_kv_heads': hf.get('num_key_value_heads') or num_heads,
+      'num_kv_heads': hf.get('num_key_value_heads', num_heads),
       'head_dim': head_dim,
       'family': family,
       'rms_eps': float(hf.get('rms_norm_eps', 1e-6)),
@@ -226,8 +235,11 @@ class ModelConfig:
       out['rope_theta'] = self.rope_theta
       if self.rope_scaling is not None:
         out['rope_scaling'] = {'rope_type': 'llama3', **self._scaling_dict()}
-    if base is None:
+    # The dtype the tensors are written in (newer files say `dtype`, older `torch_dtype`).
+    if 'torch_dtype' in out:
       out['torch_dtype'] = self.param_dtype
+    if 'dtype' in out or 'torch_dtype' not in out:
+      out['dtype'] = self.param_dtype
     return out
 
   def _scaling_dict(self):

@@ -182,7 +182,7 @@ def load(
   graphdef, abstract_params = transformer.abstract(config, lm_head=lm_head, scalar_head=scalar_head)
   if mesh is not None:
     shardings = parallel.param_shardings(
-      mesh, abstract_params, transformer.param_logical_axes, rules
+      mesh, abstract_params, transformer.param_logical_axes, rules, transformer.head_units(config)
     )
   else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -259,6 +259,10 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
       index above this size.
   """
   os.makedirs(path, exist_ok=True)
+  # Weights of an earlier save in this directory would shadow the new ones.
+  for stale in glob.glob(os.path.join(path, '*.safetensors')) + [os.path.join(path, _INDEX)]:
+    if os.path.exists(stale):
+      os.remove(stale)
   out_config = config.to_hf(hf_config)
   if 'score' in params and not any(
     'SequenceClassification' in a for a in out_config.get('architectures', [])

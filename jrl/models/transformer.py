@@ -52,9 +52,9 @@ class Dense(nnx.Module):
     self.compute_dtype = config.compute_jnp_dtype
 
   def __call__(self, x):
-    y = jnp.dot(x.astype(self.compute_dtype), self.kernel.value.astype(self.compute_dtype))
+    y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype))
     if self.bias is not None:
-      y = y + self.bias.value.astype(self.compute_dtype)
+      y = y + self.bias[...].astype(self.compute_dtype)
     return y
 
 
@@ -70,7 +70,7 @@ class RMSNorm(nnx.Module):
     # Norm statistics in float32 whatever the compute dtype.
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return normed.astype(dtype) * self.scale.value.astype(dtype)
+    return normed.astype(dtype) * self.scale[...].astype(dtype)
 
 
 class Embed(nnx.Module):
@@ -84,7 +84,7 @@ class Embed(nnx.Module):
     self.compute_dtype = config.compute_jnp_dtype
 
   def __call__(self, tokens_BxT):
-    return jnp.take(self.embedding.value, tokens_BxT, axis=0).astype(self.compute_dtype)
+    return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.compute_dtype)
 
 
 def apply_rope(x_BxTxNxd, positions_BxT, inv_freq):
@@ -133,11 +133,13 @@ def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS):
 
 def causal_attention(mask_BxT):
   """Dense causal attention for full sequences: key s is visible to query t iff
-  s ≤ t and mask[s] (left or right padding both work)."""
+  s ≤ t and (mask[s] or s = t); left or right padding both work."""
   mask_BxT = mask_BxT.astype(bool)
   t = mask_BxT.shape[1]
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  allowed_BxTxT = causal_TxT[None] & mask_BxT[:, None, :]
+  # Every query also sees itself, so a padding query (which has no real key
+  # before it) stays causal instead of averaging over every key.
+  allowed_BxTxT = causal_TxT[None] & (mask_BxT[:, None, :] | jnp.eye(t, dtype=bool)[None])
 
   def attend(layer, q, k, v, cache):
     del layer
@@ -232,15 +234,15 @@ class Transformer(nnx.Module):
       raise ValueError('this model was built without an LM head (lm_head=False).')
     cd = self.config.compute_jnp_dtype
     if self.lm_head is None:
-      return self.embed.embedding.value.T.astype(cd)
-    return self.lm_head.kernel.value.astype(cd)
+      return self.embed.embedding[...].T.astype(cd)
+    return self.lm_head.kernel[...].astype(cd)
 
   def scalar(self, hidden_BxTxD):
     """[B, T] float32 scalar head output."""
     if self.score is None:
       raise ValueError('this model was built without a scalar head (scalar_head=False).')
     # The head is tiny: float32 for values and rewards.
-    kernel = self.score.kernel.value.astype(jnp.float32)
+    kernel = self.score.kernel[...].astype(jnp.float32)
     return (hidden_BxTxD.astype(jnp.float32) @ kernel)[..., 0]
 
 
@@ -406,6 +408,11 @@ def param_logical_axes(path):
   return _LOGICAL_AXES[key]
 
 
+def head_units(config):
+  """Head dimensions are flattened (H·d); shard them only in whole heads."""
+  return {'q_heads': config.head_dim, 'kv_heads': config.head_dim}
+
+
 def create_sharded(config, key, mesh, *, lm_head=True, scalar_head=False, rules=None):
   """Random init with every parameter created directly in its sharding.
 
@@ -415,7 +422,9 @@ def create_sharded(config, key, mesh, *, lm_head=True, scalar_head=False, rules=
   from jrl import parallel
 
   graphdef, abstract_params = abstract(config, lm_head=lm_head, scalar_head=scalar_head)
-  shardings = parallel.param_shardings(mesh, abstract_params, param_logical_axes, rules)
+  shardings = parallel.param_shardings(
+    mesh, abstract_params, param_logical_axes, rules, units=head_units(config)
+  )
 
   def init(k):
     return create(config, k, lm_head=lm_head, scalar_head=scalar_head)[1]
