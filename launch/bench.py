@@ -163,7 +163,8 @@ def bench_model(args):
     mfu = tok_s * flops_tok * mult / peak
     print(
       f'  {name:17s} {tok_s:10.0f} tokens/s  {1e3 * sec:9.1f} ms/step  '
-      f'MFU {100 * mfu:5.1f}%  (compile {compile_s:.1f} s)'
+      f'MFU {100 * mfu:5.1f}% of a {peak / 1e9:.0f} GFLOP/s {args.peak_dtype} matmul peak  '
+      f'(compile {compile_s:.1f} s)'
     )
 
 
