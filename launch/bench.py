@@ -2,6 +2,7 @@
 
     python launch/bench.py logprobs [--tokens 2048 --vocab 32768 --width 256 --chunk 256]
     python launch/bench.py model [--size cpu-20m|gpu-0.5b --batch 8 --seq 256]
+    python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -168,6 +169,106 @@ def bench_model(args):
     )
 
 
+def bench_sampler(args):
+  """GRPO-shaped rollout: jrl's paged sampler against the dense static-batch baseline."""
+  import numpy as np
+
+  from jrl import models, sampler
+  from jrl.sampler import baseline
+
+  config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
+  graphdef, params = models.create(config, jax.random.PRNGKey(0))
+  rng = np.random.default_rng(0)
+  # Stop tokens make lengths geometric with mean ~V/num_stop, capped at max_new: a long tail.
+  stop = tuple(int(t) for t in rng.choice(config.vocab_size, args.num_stop, replace=False))
+  requests = [
+    sampler.Request(
+      prompt=rng.integers(0, config.vocab_size, rng.integers(args.min_prompt, args.max_prompt + 1)),
+      max_new_tokens=args.max_new,
+      temperature=1.0,
+      stop_tokens=stop,
+      seed=i,
+    )
+    for i in range(args.prompts)
+  ]
+  g = args.group
+  page = args.page_size
+  per_group = max(sampler.pages_needed(len(r.prompt), args.max_new, g, page) for r in requests)
+  engine_config = sampler.EngineConfig(
+    num_slots=args.slots,
+    num_pages=1 + per_group * max(1, args.slots // g),
+    page_size=page,
+    max_prompt_len=args.max_prompt,
+    max_new_tokens=args.max_new,
+    max_stop_tokens=len(stop),
+  )
+  smp = sampler.Sampler(graphdef, config, engine_config, steps_per_dispatch=args.steps)
+
+  def run_paged():
+    return smp.generate(params, requests, group_size=g)
+
+  def run_dense():
+    return baseline.dense_generate(graphdef, params, config, requests, g, args.max_new)
+
+  print(
+    f'sampler: {config.num_params() / 1e6:.1f}M-param model, {args.prompts} prompts x G={g}, '
+    f'prompts {args.min_prompt}-{args.max_prompt} tokens, up to {args.max_new} new, '
+    f'backend {jax.default_backend()}'
+  )
+  results = {}
+  for name, fn in (('paged', run_paged), ('dense', run_dense)):
+    start = time.perf_counter()
+    out = fn()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.repeats):
+      start = time.perf_counter()
+      out = fn()
+      times.append(time.perf_counter() - start)
+    sec = statistics.median(times)
+    if name == 'paged':
+      tokens = sum(len(c.tokens) for grp in out for c in grp)
+      lengths = [len(c.tokens) for grp in out for c in grp]
+    else:
+      tokens = int(out.mask.sum())
+    results[name] = dict(sec=sec, compile=max(first - sec, 0.0), tokens=tokens, out=out)
+  if [len(c.tokens) for grp in results['paged']['out'] for c in grp] != list(
+    results['dense']['out'].mask.sum(axis=1)
+  ):
+    print('  WARNING: the two engines produced different completions')
+
+  itemsize = jnp.dtype(config.compute_dtype).itemsize
+  kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+  paged_bytes = smp.stats.peak_pages * page * kv_token_bytes
+  dense_bytes = results['dense']['out'].cache_bytes
+  prompt_paged = sum(
+    (len(r.prompt) // page + g * (len(r.prompt) % page > 0)) * page for r in requests
+  )
+  prompt_dense = len(requests) * g * max(len(r.prompt) for r in requests)
+  lengths = np.asarray(lengths)
+  print(
+    f'  completion lengths: mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, '
+    f'max {lengths.max()}, {np.mean(lengths == args.max_new):.0%} hit max_new'
+  )
+  for name in ('paged', 'dense'):
+    r = results[name]
+    print(
+      f'  {name:6s} {r["tokens"] / r["sec"]:9.0f} output tokens/s  ({r["tokens"]} tokens in '
+      f'{r["sec"]:.2f} s, median of {args.repeats}; compile ~{r["compile"]:.1f} s)'
+    )
+  p, d = results['paged'], results['dense']
+  print(f'  tokens/s paged/dense: x{(p["tokens"] / p["sec"]) / (d["tokens"] / d["sec"]):.2f}')
+  print(
+    f'  KV memory: paged peak {paged_bytes / 2**20:.1f} MiB in use '
+    f'({smp.stats.peak_pages} pages of {page}) vs dense {dense_bytes / 2**20:.1f} MiB '
+    f'allocated: x{paged_bytes / dense_bytes:.3f}'
+  )
+  print(
+    f'  prompt KV: paged {prompt_paged} token slots vs dense {prompt_dense} '
+    f'(x{prompt_paged / prompt_dense:.3f}; (G-1)/G cut would be x{1 / g:.3f})'
+  )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='bench', required=True)
@@ -185,8 +286,22 @@ def main():
   p.add_argument('--compute_dtype', default='float32')
   p.add_argument('--peak_dtype', default='float32', help='dtype of the peak-measuring matmul')
   p.add_argument('--repeats', type=int, default=5)
+  p = sub.add_parser('sampler', help='paged sampler vs dense static-batch baseline')
+  p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
+  p.add_argument('--compute_dtype', default='float32')
+  p.add_argument('--prompts', type=int, default=16)
+  p.add_argument('--group', type=int, default=8)
+  p.add_argument('--min_prompt', type=int, default=64)
+  p.add_argument('--max_prompt', type=int, default=256)
+  p.add_argument('--max_new', type=int, default=256)
+  p.add_argument('--num_stop', type=int, default=64, help='stop tokens (sets the length tail)')
+  p.add_argument('--slots', type=int, default=32)
+  p.add_argument('--page_size', type=int, default=16)
+  p.add_argument('--steps', type=int, default=16, help='decode steps per dispatch')
+  p.add_argument('--repeats', type=int, default=1)
   args = parser.parse_args()
-  {'logprobs': bench_logprobs, 'model': bench_model}[args.bench](args)
+  benches = {'logprobs': bench_logprobs, 'model': bench_model, 'sampler': bench_sampler}
+  benches[args.bench](args)
 
 
 if __name__ == '__main__':

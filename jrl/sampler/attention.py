@@ -1,0 +1,100 @@
+"""Attention over a paged KV cache.
+
+Layout, per layer: `k_pages`, `v_pages` of shape [K, N, P, d] (kv heads,
+pages, tokens per page, head width) — the layout of JAX's Pallas TPU
+paged-attention kernel. A slot's `page_table` row lists the pages holding
+its tokens in order: token i of the slot lives in page `table[i // P]` at
+offset `i % P`. Page 0 is a scratch page: unused table entries and the
+writes of idle slots point there, and it is never read unmasked.
+
+Two implementations:
+* 'gather' (CPU, GPU, and the reference everywhere): gather the slot's pages
+  into a dense [S, M·P, K, d] view and run the model's own `dot_attention`
+  with a strict length mask. Values at masked positions are zeroed before
+  the weighted sum, so garbage in any page a slot does not own (NaN, inf)
+  cannot leak into its output.
+* 'pallas' (TPU): `jax.experimental.pallas.ops.tpu.paged_attention`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jrl.models.transformer import dot_attention
+
+IMPLEMENTATIONS = ('auto', 'gather', 'pallas')
+
+
+def resolve_impl(impl):
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f'`attention_impl` must be one of {IMPLEMENTATIONS}, got {impl!r}.')
+  if impl == 'auto':
+    return 'pallas' if jax.default_backend() == 'tpu' else 'gather'
+  return impl
+
+
+def write_token(k_pages, v_pages, k_SxKxd, v_SxKxd, page_S, offset_S):
+  """Writes one token's k, v per slot at (page, offset); returns the pools."""
+  k_KxSxd = jnp.swapaxes(k_SxKxd, 0, 1).astype(k_pages.dtype)
+  v_KxSxd = jnp.swapaxes(v_SxKxd, 0, 1).astype(v_pages.dtype)
+  k_pages = k_pages.at[:, page_S, offset_S, :].set(k_KxSxd)
+  v_pages = v_pages.at[:, page_S, offset_S, :].set(v_KxSxd)
+  return k_pages, v_pages
+
+
+def gather_pages(pages_KxNxPxd, page_table_SxM):
+  """[S, M·P, K, d] dense view of each slot's pages, in token order."""
+  k, _, p, d = pages_KxNxPxd.shape
+  s, m = page_table_SxM.shape
+  g = pages_KxNxPxd[:, page_table_SxM]  # [K, S, M, P, d]
+  return jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(s, m * p, k, d)
+
+
+def paged_attention_gather(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S):
+  """Each slot's query attends to its first `lengths` cached tokens.
+
+  Args:
+    q_SxHxd: one query per slot.
+    k_pages, v_pages: [K, N, P, d].
+    page_table_SxM: int32 page ids.
+    lengths_S: int32 number of valid cached tokens per slot (≥ 1 for live slots).
+
+  Returns:
+    [S, H, d].
+  """
+  keys = gather_pages(k_pages, page_table_SxM)
+  vals = gather_pages(v_pages, page_table_SxM)
+  visible_SxL = jnp.arange(keys.shape[1])[None, :] < lengths_S[:, None]
+  # Zero what is not visible: masked probabilities are 0, but 0 · NaN is not.
+  vals = jnp.where(visible_SxL[:, :, None, None], vals, 0)
+  out = dot_attention(q_SxHxd[:, None], keys, vals, visible_SxL[:, None, :])
+  return out[:, 0]
+
+
+def paged_attention_pallas(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S):
+  """TPU Pallas kernel; same contract as `paged_attention_gather`."""
+  try:
+    from jax.experimental.pallas.ops.tpu import paged_attention as pallas_paged
+  except ImportError as e:  # pragma: no cover - depends on the jax build
+    raise RuntimeError(
+      'attention_impl="pallas" needs jax.experimental.pallas.ops.tpu.paged_attention; '
+      'use attention_impl="gather".'
+    ) from e
+  scale = q_SxHxd.shape[-1] ** -0.5
+  pages_per_block = min(8, page_table_SxM.shape[1])
+  while page_table_SxM.shape[1] % pages_per_block:
+    pages_per_block -= 1
+  out = pallas_paged.paged_attention(
+    (q_SxHxd * scale).astype(k_pages.dtype),
+    k_pages,
+    v_pages,
+    lengths_S,
+    page_table_SxM,
+    pages_per_compute_block=pages_per_block,
+  )
+  return out.astype(q_SxHxd.dtype)
+
+
+def paged_attention(impl, q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S):
+  if impl == 'pallas':
+    return paged_attention_pallas(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S)
+  return paged_attention_gather(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S)

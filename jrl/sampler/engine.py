@@ -1,0 +1,415 @@
+"""The paged decode engine: pure, jittable steps on an explicit state.
+
+Following JetStream's engine convention, parameters are passed explicitly to
+every call and the engine holds no weights:
+
+    prefix = prefill(graphdef, params, tokens, length)     one prompt
+    state  = insert(state, prefix, slots, ...)             into G free slots
+    state  = generate(graphdef, params, state, steps)      several decode steps
+    state  = free(state, slot_mask)                        release finished slots
+
+The state is a pytree of static-shape arrays (`DecodeState`): per layer a
+page pool [K, N, P, d] for keys and one for values, an int32 page table per
+slot, per-page reference counts, a stack of free pages, and per-slot
+sampling state. Page 0 is a scratch page that is never allocated: unused
+page-table entries and the writes of idle slots point at it.
+
+GRPO prompt sharing: `insert` puts the G samples of one prompt in G slots
+that point at the same full prompt pages (reference count G); each slot gets
+a private copy of the partial last page, so no slot ever writes into a
+shared page. The G first tokens are drawn from the one set of prefill logits,
+each with the slot's own key.
+
+Page growth happens inside `generate`: a slot whose next token starts a new
+page pops one from the free stack. The host driver (`jrl.sampler.Sampler`)
+only admits a request when its worst case fits in the pages not yet
+promised to others, so the stack never runs dry mid-decode.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jrl.models.transformer import dot_attention
+from jrl.sampler import attention as paged
+from jrl.sampler.sampling import SamplingParams, sample
+
+RUNNING, STOP, LENGTH = 0, 1, 2
+FINISH_REASONS = {RUNNING: 'running', STOP: 'stop', LENGTH: 'length'}
+
+
+class EngineConfig(NamedTuple):
+  """Static sizes of the decode state."""
+
+  num_slots: int  # S: sequences decoded together
+  num_pages: int  # N: pages per layer, page 0 being the scratch page
+  page_size: int  # P: tokens per page
+  max_prompt_len: int  # longest prompt accepted
+  max_new_tokens: int  # longest completion (requests may ask for fewer)
+  max_stop_tokens: int = 4  # stop tokens per request
+  attention_impl: str = 'auto'  # 'auto' | 'gather' | 'pallas'
+
+  @property
+  def max_pages_per_slot(self):
+    # The last sampled token is never written to the cache.
+    return math.ceil((self.max_prompt_len + self.max_new_tokens - 1) / self.page_size)
+
+  @property
+  def max_prompt_pages(self):
+    return math.ceil(self.max_prompt_len / self.page_size)
+
+  def validate(self):
+    for name in ('num_slots', 'num_pages', 'page_size', 'max_prompt_len', 'max_new_tokens'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f'`{name}` must be a positive int, got {value!r}.')
+    if self.num_pages < 2:
+      raise ValueError(f'`num_pages` must be >= 2 (page 0 is scratch), got {self.num_pages}.')
+    paged.resolve_impl(self.attention_impl)
+
+
+class DecodeState(NamedTuple):
+  """Everything the decode loop carries. S slots, N pages, M pages per slot."""
+
+  k_pages: tuple  # L × [K, N, P, d]
+  v_pages: tuple  # L × [K, N, P, d]
+  page_table: jax.Array  # [S, M] int32; entries past num_pages are 0 (scratch)
+  num_pages: jax.Array  # [S] int32 pages held by each slot
+  lengths: jax.Array  # [S] int32 tokens in each slot's cache
+  refcount: jax.Array  # [N] int32
+  free_stack: jax.Array  # [N] int32; free page ids in [0, free_top)
+  free_top: jax.Array  # [] int32
+  active: jax.Array  # [S] bool: the slot holds a sequence
+  done: jax.Array  # [S] bool: that sequence has finished
+  finish_reason: jax.Array  # [S] int32 (RUNNING, STOP, LENGTH)
+  next_token: jax.Array  # [S] int32: last sampled token, not yet in the cache
+  rng: jax.Array  # [S, 2] uint32 raw key data, advanced once per sampled token
+  temperature: jax.Array  # [S] float32
+  top_k: jax.Array  # [S] int32
+  top_p: jax.Array  # [S] float32
+  greedy: jax.Array  # [S] bool
+  stop_tokens: jax.Array  # [S, max_stop_tokens] int32, −1 padded
+  max_new: jax.Array  # [S] int32
+  num_generated: jax.Array  # [S] int32
+  out_tokens: jax.Array  # [S, max_new_tokens] int32
+  out_logprobs: jax.Array  # [S, max_new_tokens] float32
+
+
+class Prefix(NamedTuple):
+  """A prefilled prompt: its keys and values and the logits after it."""
+
+  k: jax.Array  # [L, K, Pb, d]
+  v: jax.Array  # [L, K, Pb, d]
+  logits: jax.Array  # [V] float32 at the last prompt token
+  length: jax.Array  # [] int32 prompt length (≤ Pb)
+
+
+class SlotRequest(NamedTuple):
+  """Per-slot settings for `insert`, each with a leading [G] axis."""
+
+  rng: jax.Array  # [G, 2] uint32 key data
+  temperature: jax.Array  # [G] float32
+  top_k: jax.Array  # [G] int32
+  top_p: jax.Array  # [G] float32
+  greedy: jax.Array  # [G] bool
+  stop_tokens: jax.Array  # [G, max_stop_tokens] int32
+  max_new: jax.Array  # [G] int32
+
+
+def init_state(model_config, cfg):
+  """An empty decode state (every page free, every slot idle)."""
+  cfg.validate()
+  s, n, p, m = cfg.num_slots, cfg.num_pages, cfg.page_size, cfg.max_pages_per_slot
+  pool_shape = (model_config.num_kv_heads, n, p, model_config.head_dim)
+  dtype = model_config.compute_jnp_dtype
+  zeros_pool = lambda: tuple(jnp.zeros(pool_shape, dtype) for _ in range(model_config.num_layers))
+  # Free pages 1..N−1, popped from the top in increasing order.
+  free_stack = jnp.concatenate([jnp.arange(n - 1, 0, -1), jnp.zeros(1)]).astype(jnp.int32)
+  return DecodeState(
+    k_pages=zeros_pool(),
+    v_pages=zeros_pool(),
+    page_table=jnp.zeros((s, m), jnp.int32),
+    num_pages=jnp.zeros(s, jnp.int32),
+    lengths=jnp.zeros(s, jnp.int32),
+    refcount=jnp.zeros(n, jnp.int32),
+    free_stack=free_stack,
+    free_top=jnp.int32(n - 1),
+    active=jnp.zeros(s, bool),
+    done=jnp.zeros(s, bool),
+    finish_reason=jnp.zeros(s, jnp.int32),
+    next_token=jnp.zeros(s, jnp.int32),
+    rng=jnp.zeros((s, 2), jnp.uint32),
+    temperature=jnp.ones(s, jnp.float32),
+    top_k=jnp.zeros(s, jnp.int32),
+    top_p=jnp.ones(s, jnp.float32),
+    greedy=jnp.zeros(s, bool),
+    stop_tokens=jnp.full((s, cfg.max_stop_tokens), -1, jnp.int32),
+    max_new=jnp.zeros(s, jnp.int32),
+    num_generated=jnp.zeros(s, jnp.int32),
+    out_tokens=jnp.zeros((s, cfg.max_new_tokens), jnp.int32),
+    out_logprobs=jnp.zeros((s, cfg.max_new_tokens), jnp.float32),
+  )
+
+
+def _logits(model, hidden_NxD):
+  # Logits in float32.
+  return jnp.dot(hidden_NxD, model.unembed(), preferred_element_type=jnp.float32).astype(
+    jnp.float32
+  )
+
+
+def prefill(graphdef, params, tokens_Pb, length):
+  """Runs one prompt (padded to a bucket length Pb) through the model.
+
+  Args:
+    graphdef, params: the policy, as the trainer holds it.
+    tokens_Pb: [Pb] int32 prompt, padded on the right.
+    length: [] int32 true prompt length, 1 ≤ length ≤ Pb.
+
+  Returns:
+    Prefix with the keys/values of every layer and the last logits.
+  """
+  model = nnx.merge(graphdef, params)
+  pb = tokens_Pb.shape[0]
+  positions = jnp.arange(pb, dtype=jnp.int32)[None]
+  valid = positions < length
+  allowed = jnp.tril(jnp.ones((pb, pb), bool))[None] & (valid[:, None, :] | jnp.eye(pb, dtype=bool))
+
+  def attend(layer, q, k, v, cache):
+    del layer, cache
+    return dot_attention(q, k, v, allowed), (k[0], v[0])
+
+  num_layers = model.config.num_layers
+  hidden, kv = model(tokens_Pb[None], positions, attend, caches=[None] * num_layers)
+  last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, axis=0, keepdims=False)
+  k = jnp.stack([jnp.swapaxes(kk, 0, 1) for kk, _ in kv])  # [L, K, Pb, d]
+  v = jnp.stack([jnp.swapaxes(vv, 0, 1) for _, vv in kv])
+  return Prefix(k=k, v=v, logits=_logits(model, last[None])[0], length=jnp.int32(length))
+
+
+def _split_keys(rng_Sx2):
+  """One fresh subkey per slot and the advanced key data."""
+  keys = jax.random.wrap_key_data(rng_Sx2)
+  pairs = jax.vmap(lambda k: jax.random.split(k))(keys)
+  return jax.random.key_data(pairs[:, 0]), pairs[:, 1]
+
+
+def _is_stop(tokens_S, stop_SxK):
+  return jnp.any(tokens_S[:, None] == stop_SxK, axis=-1)
+
+
+def insert(state, prefix, slots_G, request, cfg):
+  """Puts G samples of one prefilled prompt into slots `slots_G`.
+
+  Full prompt pages are shared by the G slots (reference count G); a partial
+  last page is copied into a private page per slot. Pages come off the free
+  stack; the caller guarantees there are enough.
+
+  Args:
+    state: DecodeState.
+    prefix: Prefix of the prompt.
+    slots_G: [G] int32 distinct idle slots.
+    request: SlotRequest with [G] leading axes.
+    cfg: EngineConfig (static).
+
+  Returns:
+    The new DecodeState, with each slot's first token already sampled.
+  """
+  g = slots_G.shape[0]
+  p, m = cfg.page_size, cfg.max_pages_per_slot
+  length = prefix.length
+  n_full = length // p
+  has_partial = (length % p > 0).astype(jnp.int32)
+  n_need = n_full + g * has_partial
+
+  # Pop n_need pages: rank r takes free_stack[free_top − 1 − r].
+  r_max = cfg.max_prompt_pages + g
+  ranks = jnp.arange(r_max)
+  popped = state.free_stack[jnp.clip(state.free_top - 1 - ranks, 0, cfg.num_pages - 1)]
+  popped = jnp.where(ranks < n_need, popped, 0)
+  j_M = jnp.arange(m)
+  shared_M = jnp.where(j_M < n_full, popped[jnp.clip(j_M, 0, r_max - 1)], 0)
+  private_G = jnp.where(has_partial > 0, popped[jnp.clip(n_full + jnp.arange(g), 0, r_max - 1)], 0)
+  table_GxM = jnp.where(
+    (j_M[None, :] == n_full) & (has_partial > 0), private_G[:, None], shared_M[None, :]
+  )
+  refcount = state.refcount.at[shared_M].add(jnp.where(j_M < n_full, g, 0))
+  refcount = refcount.at[private_G].add(has_partial)
+  refcount = refcount.at[0].set(0)  # the scratch page is never counted
+
+  # Write the prompt's keys and values into each slot's pages.
+  pb = prefix.k.shape[2]
+  t = jnp.arange(pb)
+  valid = t < length
+  page_GxPb = jnp.where(valid[None, :], table_GxM[:, jnp.clip(t // p, 0, m - 1)], 0)
+  offset_Pb = t % p
+  pages_flat = page_GxPb.reshape(-1)
+  offsets_flat = jnp.tile(offset_Pb, g)
+  k_pages, v_pages = [], []
+  for layer in range(len(state.k_pages)):
+    k_val = jnp.tile(prefix.k[layer], (1, g, 1)).astype(state.k_pages[layer].dtype)
+    v_val = jnp.tile(prefix.v[layer], (1, g, 1)).astype(state.v_pages[layer].dtype)
+    k_pages.append(state.k_pages[layer].at[:, pages_flat, offsets_flat, :].set(k_val))
+    v_pages.append(state.v_pages[layer].at[:, pages_flat, offsets_flat, :].set(v_val))
+
+  # G first tokens from the one set of prefill logits, each with its own key.
+  rng, subkeys = _split_keys(request.rng)
+  params = SamplingParams(request.temperature, request.top_k, request.top_p, request.greedy)
+  logits_GxV = jnp.broadcast_to(prefix.logits, (g, prefix.logits.shape[0]))
+  tok_G, logp_G = sample(logits_GxV, subkeys, params)
+  stop_G = _is_stop(tok_G, request.stop_tokens)
+  done_G = stop_G | (request.max_new <= 1)
+  reason_G = jnp.where(stop_G, STOP, jnp.where(done_G, LENGTH, RUNNING))
+  row_tokens = jnp.zeros((g, cfg.max_new_tokens), jnp.int32).at[:, 0].set(tok_G)
+  row_logp = jnp.zeros((g, cfg.max_new_tokens), jnp.float32).at[:, 0].set(logp_G)
+
+  s = slots_G
+  return state._replace(
+    k_pages=tuple(k_pages),
+    v_pages=tuple(v_pages),
+    page_table=state.page_table.at[s].set(table_GxM),
+    num_pages=state.num_pages.at[s].set(n_full + has_partial),
+    lengths=state.lengths.at[s].set(length),
+    refcount=refcount,
+    free_top=state.free_top - n_need,
+    active=state.active.at[s].set(True),
+    done=state.done.at[s].set(done_G),
+    finish_reason=state.finish_reason.at[s].set(reason_G),
+    next_token=state.next_token.at[s].set(tok_G),
+    rng=state.rng.at[s].set(rng),
+    temperature=state.temperature.at[s].set(request.temperature),
+    top_k=state.top_k.at[s].set(request.top_k),
+    top_p=state.top_p.at[s].set(request.top_p),
+    greedy=state.greedy.at[s].set(request.greedy),
+    stop_tokens=state.stop_tokens.at[s].set(request.stop_tokens),
+    max_new=state.max_new.at[s].set(request.max_new),
+    num_generated=state.num_generated.at[s].set(1),
+    out_tokens=state.out_tokens.at[s].set(row_tokens),
+    out_logprobs=state.out_logprobs.at[s].set(row_logp),
+  )
+
+
+def _grow_pages(state, live_S, cfg):
+  """Gives a new page to every live slot whose next token starts one."""
+  p = cfg.page_size
+  need_S = live_S & (state.lengths // p >= state.num_pages)
+  rank_S = jnp.cumsum(need_S) - 1
+  page_S = state.free_stack[jnp.clip(state.free_top - 1 - rank_S, 0, cfg.num_pages - 1)]
+  page_S = jnp.where(need_S, page_S, 0)
+  j_M = jnp.arange(cfg.max_pages_per_slot)
+  at_end = need_S[:, None] & (j_M[None, :] == state.num_pages[:, None])
+  return state._replace(
+    page_table=jnp.where(at_end, page_S[:, None], state.page_table),
+    num_pages=state.num_pages + need_S,
+    refcount=state.refcount.at[page_S].add(need_S.astype(jnp.int32)).at[0].set(0),
+    free_top=state.free_top - jnp.sum(need_S),
+  )
+
+
+def decode_step(graphdef, params, state, cfg):
+  """One token for every live slot: write its k/v, attend over its pages, sample."""
+  impl = paged.resolve_impl(cfg.attention_impl)
+  model = nnx.merge(graphdef, params)
+  live_S = state.active & ~state.done
+  state = _grow_pages(state, live_S, cfg)
+  p = cfg.page_size
+  pos_S = state.lengths
+  write_page_S = jnp.where(
+    live_S, jnp.take_along_axis(state.page_table, (pos_S // p)[:, None], axis=1)[:, 0], 0
+  )
+  offset_S = pos_S % p
+  visible_S = jnp.where(live_S, pos_S + 1, 1)
+
+  def attend(layer, q, k, v, cache):
+    del layer
+    k_pages, v_pages = paged.write_token(*cache, k[:, 0], v[:, 0], write_page_S, offset_S)
+    table = jnp.where(live_S[:, None], state.page_table, 0)
+    out = paged.paged_attention(impl, q[:, 0], k_pages, v_pages, table, visible_S)
+    return out[:, None], (k_pages, v_pages)
+
+  caches = list(zip(state.k_pages, state.v_pages, strict=True))
+  hidden, caches = model(state.next_token[:, None], pos_S[:, None], attend, caches=caches)
+  logits_SxV = _logits(model, hidden[:, 0])
+  rng, subkeys = _split_keys(state.rng)
+  params_S = SamplingParams(state.temperature, state.top_k, state.top_p, state.greedy)
+  tok_S, logp_S = sample(logits_SxV, subkeys, params_S)
+
+  at_S = state.num_generated
+  write_SxT = live_S[:, None] & (jnp.arange(cfg.max_new_tokens)[None, :] == at_S[:, None])
+  num_generated = state.num_generated + live_S
+  stop_S = _is_stop(tok_S, state.stop_tokens)
+  finished_S = live_S & (stop_S | (num_generated >= state.max_new))
+  return state._replace(
+    k_pages=tuple(c[0] for c in caches),
+    v_pages=tuple(c[1] for c in caches),
+    lengths=state.lengths + live_S,
+    done=state.done | finished_S,
+    finish_reason=jnp.where(finished_S, jnp.where(stop_S, STOP, LENGTH), state.finish_reason),
+    next_token=jnp.where(live_S, tok_S, state.next_token),
+    rng=jnp.where(live_S[:, None], rng, state.rng),
+    num_generated=num_generated,
+    out_tokens=jnp.where(write_SxT, tok_S[:, None], state.out_tokens),
+    out_logprobs=jnp.where(write_SxT, logp_S[:, None], state.out_logprobs),
+  )
+
+
+def generate(graphdef, params, state, cfg, num_steps):
+  """Up to `num_steps` decode steps; stops early when no slot is live."""
+
+  def cond(carry):
+    i, st = carry
+    return (i < num_steps) & jnp.any(st.active & ~st.done)
+
+  def body(carry):
+    i, st = carry
+    return i + 1, decode_step(graphdef, params, st, cfg)
+
+  _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+  return state
+
+
+def free(state, slot_mask_S):
+  """Releases the pages of the slots in `slot_mask_S` and resets those slots.
+
+  A page returns to the free stack when its reference count reaches 0 (a
+  shared prompt page only after all G slots are freed).
+  """
+  n = state.refcount.shape[0]
+  m = state.page_table.shape[1]
+  held_SxM = (jnp.arange(m)[None, :] < state.num_pages[:, None]) & slot_mask_S[:, None]
+  dec_N = (
+    jnp.zeros(n, jnp.int32)
+    .at[state.page_table.reshape(-1)]
+    .add(held_SxM.reshape(-1).astype(jnp.int32))
+  )
+  dec_N = dec_N.at[0].set(0)
+  refcount = state.refcount - dec_N
+  newly_free_N = (dec_N > 0) & (refcount == 0)
+  slot_in_stack = state.free_top + jnp.cumsum(newly_free_N) - 1
+  free_stack = state.free_stack.at[jnp.where(newly_free_N, slot_in_stack, n)].set(
+    jnp.arange(n, dtype=jnp.int32), mode='drop'
+  )
+  keep = ~slot_mask_S
+  return state._replace(
+    page_table=jnp.where(keep[:, None], state.page_table, 0),
+    num_pages=jnp.where(keep, state.num_pages, 0),
+    lengths=jnp.where(keep, state.lengths, 0),
+    refcount=refcount,
+    free_stack=free_stack,
+    free_top=state.free_top + jnp.sum(newly_free_N),
+    active=state.active & keep,
+    done=state.done & keep,
+    finish_reason=jnp.where(keep, state.finish_reason, RUNNING),
+    num_generated=jnp.where(keep, state.num_generated, 0),
+  )
+
+
+def pages_needed(prompt_len, max_new, group_size, page_size):
+  """Worst-case pages a group of `group_size` samples of one prompt can hold:
+  the shared full prompt pages plus each sample's private pages."""
+  n_full = prompt_len // page_size
+  per_slot = math.ceil((prompt_len + max_new - 1) / page_size)
+  return n_full + group_size * (per_slot - n_full)
