@@ -39,7 +39,7 @@ from jrl.models.config import ModelConfig, rope_inv_freq
 # attention(layer, q_BxTxHxd, k_BxTxKxd, v_BxTxKxd, cache) -> (out_BxTxHxd, cache)
 AttentionFn = Callable
 
-_NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
+NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
 
 
 class Dense(nnx.Module):
@@ -124,7 +124,7 @@ def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS):
     'btkgd,bskd->bkgts', q_BxTxKxGxd, k_BxSxKxd, preferred_element_type=jnp.float32
   )
   scores = scores.astype(jnp.float32) / np.sqrt(d).astype(np.float32)
-  scores = jnp.where(allowed_BxTxS[:, None, None, :, :], scores, _NEG_INF)
+  scores = jnp.where(allowed_BxTxS[:, None, None, :, :], scores, NEG_INF)
   # Softmax in float32.
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxd.dtype)
   out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxd)

@@ -9,8 +9,8 @@ writes of idle slots point there, and it is never read unmasked.
 
 Two implementations:
 * 'gather' (CPU, GPU, and the reference everywhere): gather the slot's pages
-  into a dense [S, M·P, K, d] view and run the model's own `dot_attention`
-  with a strict length mask. Values at masked positions are zeroed before
+  as [K, S, M, P, d] and compute the same float32 softmax attention as the
+  model's `dot_attention`, with a strict length mask. Values at masked positions are zeroed before
   the weighted sum, so garbage in any page a slot does not own (NaN, inf)
   cannot leak into its output.
 * 'pallas' (TPU): `jax.experimental.pallas.ops.tpu.paged_attention`.
@@ -18,8 +18,9 @@ Two implementations:
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jrl.models.transformer import dot_attention
+from jrl.models.transformer import NEG_INF
 
 IMPLEMENTATIONS = ('auto', 'gather', 'pallas')
 
@@ -41,16 +42,12 @@ def write_token(k_pages, v_pages, k_SxKxd, v_SxKxd, page_S, offset_S):
   return k_pages, v_pages
 
 
-def gather_pages(pages_KxNxPxd, page_table_SxM):
-  """[S, M·P, K, d] dense view of each slot's pages, in token order."""
-  k, _, p, d = pages_KxNxPxd.shape
-  s, m = page_table_SxM.shape
-  g = pages_KxNxPxd[:, page_table_SxM]  # [K, S, M, P, d]
-  return jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(s, m * p, k, d)
-
-
 def paged_attention_gather(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S):
   """Each slot's query attends to its first `lengths` cached tokens.
+
+  The slot's pages are gathered as [K, S, M, P, d] and contracted in that
+  layout (no transposed copy); scores and softmax are float32 as in
+  `jrl.models.transformer.dot_attention`, which this equals (tested).
 
   Args:
     q_SxHxd: one query per slot.
@@ -61,13 +58,25 @@ def paged_attention_gather(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S)
   Returns:
     [S, H, d].
   """
-  keys = gather_pages(k_pages, page_table_SxM)
-  vals = gather_pages(v_pages, page_table_SxM)
-  visible_SxL = jnp.arange(keys.shape[1])[None, :] < lengths_S[:, None]
+  s, h, d = q_SxHxd.shape
+  k, _, p, _ = k_pages.shape
+  m = page_table_SxM.shape[1]
+  keys_KxSxMxPxd = k_pages[:, page_table_SxM]
+  vals_KxSxMxPxd = v_pages[:, page_table_SxM]
+  visible_SxMxP = (jnp.arange(m * p) < lengths_S[:, None]).reshape(s, m, p)
   # Zero what is not visible: masked probabilities are 0, but 0 · NaN is not.
-  vals = jnp.where(visible_SxL[:, :, None, None], vals, 0)
-  out = dot_attention(q_SxHxd[:, None], keys, vals, visible_SxL[:, None, :])
-  return out[:, 0]
+  vals_KxSxMxPxd = jnp.where(visible_SxMxP[None, :, :, :, None], vals_KxSxMxPxd, 0)
+  q_SxKxGxd = q_SxHxd.reshape(s, k, h // k, d)
+  scores = jnp.einsum(
+    'skgd,ksmpd->skgmp', q_SxKxGxd, keys_KxSxMxPxd, preferred_element_type=jnp.float32
+  )
+  scores = scores.astype(jnp.float32) / np.sqrt(d).astype(np.float32)
+  scores = jnp.where(visible_SxMxP[:, None, None], scores, NEG_INF)
+  # Softmax in float32 over all of the slot's positions.
+  probs = jax.nn.softmax(scores.reshape(s, k, h // k, m * p), axis=-1)
+  probs = probs.reshape(s, k, h // k, m, p).astype(v_pages.dtype)
+  out = jnp.einsum('skgmp,ksmpd->skgd', probs, vals_KxSxMxPxd)
+  return out.reshape(s, h, d)
 
 
 def paged_attention_pallas(q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S):

@@ -309,8 +309,12 @@ def _grow_pages(state, live_S, cfg):
   )
 
 
-def decode_step(graphdef, params, state, cfg):
-  """One token for every live slot: write its k/v, attend over its pages, sample."""
+def decode_step(graphdef, params, state, cfg, max_pages=None):
+  """One token for every live slot: write its k/v, attend over its pages, sample.
+
+  `max_pages` (static) limits attention to the first pages of every page
+  table; the caller guarantees no live slot holds more (see `generate`).
+  """
   impl = paged.resolve_impl(cfg.attention_impl)
   model = nnx.merge(graphdef, params)
   live_S = state.active & ~state.done
@@ -326,7 +330,7 @@ def decode_step(graphdef, params, state, cfg):
   def attend(layer, q, k, v, cache):
     del layer
     k_pages, v_pages = paged.write_token(*cache, k[:, 0], v[:, 0], write_page_S, offset_S)
-    table = jnp.where(live_S[:, None], state.page_table, 0)
+    table = jnp.where(live_S[:, None], state.page_table[:, :max_pages], 0)
     out = paged.paged_attention(impl, q[:, 0], k_pages, v_pages, table, visible_S)
     return out[:, None], (k_pages, v_pages)
 
@@ -356,8 +360,13 @@ def decode_step(graphdef, params, state, cfg):
   )
 
 
-def generate(graphdef, params, state, cfg, num_steps):
-  """Up to `num_steps` decode steps; stops early when no slot is live."""
+def generate(graphdef, params, state, cfg, num_steps, max_pages=None):
+  """Up to `num_steps` decode steps; stops early when no slot is live.
+
+  `max_pages` (static, default all) bounds the pages any slot can hold
+  during these steps; attention then gathers only that many pages per slot.
+  `attend_pages` computes a safe value.
+  """
 
   def cond(carry):
     i, st = carry
@@ -365,7 +374,7 @@ def generate(graphdef, params, state, cfg, num_steps):
 
   def body(carry):
     i, st = carry
-    return i + 1, decode_step(graphdef, params, st, cfg)
+    return i + 1, decode_step(graphdef, params, st, cfg, max_pages)
 
   _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
   return state
@@ -405,6 +414,16 @@ def free(state, slot_mask_S):
     finish_reason=jnp.where(keep, state.finish_reason, RUNNING),
     num_generated=jnp.where(keep, state.num_generated, 0),
   )
+
+
+def attend_pages(num_pages_S, num_steps, cfg):
+  """A static page bound for `generate`: the most pages any slot can hold after
+  `num_steps` more tokens, rounded up to a multiple of M/8 (so at most 8
+  compiled variants)."""
+  m = cfg.max_pages_per_slot
+  bound = int(max(num_pages_S, default=0)) + math.ceil(num_steps / cfg.page_size) + 1
+  step = max(1, -(-m // 8))
+  return min(-(-bound // step) * step, m)
 
 
 def pages_needed(prompt_len, max_new, group_size, page_size):

@@ -129,7 +129,7 @@ class Sampler:
     self._insert = jax.jit(functools.partial(engine.insert, cfg=cfg), donate_argnums=(0,))
     self._generate = jax.jit(
       functools.partial(engine.generate, graphdef, cfg=cfg),
-      static_argnames=('num_steps',),
+      static_argnames=('num_steps', 'max_pages'),
       donate_argnums=(1,),
     )
     self._free = jax.jit(engine.free, donate_argnums=(0,))
@@ -256,6 +256,7 @@ class Sampler:
     groups = {}  # group id -> [shared pages, private pages per slot, slots left]
     reserved = 0
     next_group = 0
+    held_pages = np.zeros(cfg.num_slots, np.int32)  # host copy of state.num_pages
 
     while pending or slot_owner:
       # Admit what fits, in order.
@@ -283,11 +284,14 @@ class Sampler:
         groups[next_group] = [shared, (need - shared) // len(samples), len(samples)]
         for slot, g in zip(slots, samples, strict=True):
           slot_owner[slot] = (i, g, next_group)
+          held_pages[slot] = -(-n // cfg.page_size)
         next_group += 1
 
       start = time.perf_counter()
-      state = self._generate(params, state, num_steps=self.steps_per_dispatch)
-      done, free_top = jax.device_get((state.done, state.free_top))
+      max_pages = engine.attend_pages(held_pages, self.steps_per_dispatch, cfg)
+      state = self._generate(params, state, num_steps=self.steps_per_dispatch, max_pages=max_pages)
+      done, free_top, held = jax.device_get((state.done, state.free_top, state.num_pages))
+      held_pages = np.array(held)
       stats.decode_seconds += time.perf_counter() - start
       stats.dispatches += 1
       stats.peak_pages = max(stats.peak_pages, capacity - int(free_top))
