@@ -1,0 +1,127 @@
+"""Fields every training config has, with their defaults and units.
+
+Experiment files (`configs/grpo_arith.py`, ...) start from `base()`, change
+what they need and return the result locked, so that a misspelt override
+(`--config.rl.lr=...`) fails instead of being ignored.
+"""
+
+import ml_collections
+
+
+def base():
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # everything random derives from (seed, iteration)
+  c.workdir = 'runs/default'  # checkpoints, metrics.jsonl, tb/, curves.png
+  c.tokenizer = 'char'  # 'char' (built in) or a directory with tokenizer.json ('' = model.path)
+  c.export_hf = False  # write workdir/hf_export (safetensors) at the end
+  c.max_nonfinite_steps = 5  # stop after this many iterations in a row with skipped updates
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # data-parallel ways (-1: all devices left over)
+  c.mesh.fsdp = 1  # parameter-sharded data-parallel ways
+  c.mesh.tensor = 1  # tensor-parallel ways
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ''  # Hugging Face checkpoint directory; '' builds a fresh model:
+  c.model.width = 128  # D
+  c.model.mlp_width = 384  # F
+  c.model.num_layers = 2  # L
+  c.model.num_heads = 4  # H
+  c.model.num_kv_heads = 2  # K
+  c.model.head_dim = 32  # d
+  c.model.tie_embeddings = True
+  c.model.init_std = 0.02
+  c.model.param_dtype = 'float32'  # master weights
+  c.model.compute_dtype = 'float32'  # 'bfloat16' for bf16 matmuls
+
+  c.task = ml_collections.ConfigDict()
+  c.task.kind = 'arith'  # 'arith' (generated) or 'jsonl'
+  c.task.digits = 2  # arith: operand digits
+  c.task.ops = '+'  # arith: operators, from '+-*'
+  c.task.train_seed = 0  # arith: seed of the training problems
+  c.task.eval_seed = 1  # arith: seed of the held-out problems
+  c.task.eval_size = 200  # held-out examples
+  c.task.train_path = ''  # jsonl: {"prompt", "answer"} rows
+  c.task.eval_path = ''  # jsonl: held-out rows
+  c.task.chat_template = False  # wrap prompts in the tokenizer's chat template
+  c.task.add_bos = False  # prepend the tokenizer's bos token
+
+  c.reward = ml_collections.ConfigDict()
+  c.reward.functions = ('exact_match',)  # names in jrl.rewards.REGISTRY
+  c.reward.weights = ()  # one per function; () = all 1.0
+  c.reward.unscored_value = 0.0  # reward for "could not score"
+
+  c.sft = ml_collections.ConfigDict()
+  c.sft.steps = 0  # supervised warm-up iterations before RL
+  c.sft.batch_size = 64  # sequences per SFT step
+  c.sft.lr = 1e-3  # SFT learning rate (the other optimiser settings come from `optim`)
+  c.sft.warmup_steps = 10  # SFT linear warm-up
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 100  # RL iterations
+  c.rl.prompts_per_step = 16  # B
+  c.rl.group_size = 8  # G samples per prompt
+  c.rl.max_prompt_len = 32  # tokens; longer prompts are an error
+  c.rl.max_new_tokens = 8  # tokens per completion
+  c.rl.temperature = 1.0  # sampling temperature (also used for the trainer's logprobs)
+  c.rl.top_k = 0  # 0: off
+  c.rl.top_p = 1.0  # 1: off
+  c.rl.epochs = 1  # passes over each rollout batch
+  c.rl.minibatch_size = 128  # rows per optimiser step; divides B x G
+  c.rl.advantage = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
+  c.rl.adv_scale = 'group'  # grpo: 'group' | 'batch' | 'none'
+  c.rl.adv_std = 'unbiased'  # grpo: 'unbiased' | 'biased'
+  c.rl.adv_eps = 1e-6  # added to the std
+  c.rl.gamma = 1.0  # REINFORCE++ discount
+  c.rl.policy_loss = 'ppo'  # 'ppo' (clip) | 'gspo' | 'cispo'
+  c.rl.eps_low = 0.2  # clip range below 1
+  c.rl.eps_high = 0.2  # clip range above 1 (DAPO clip-higher: 0.28)
+  c.rl.dual_clip_c = 0.0  # dual-clip bound for A < 0 (0: off)
+  c.rl.log_ratio_clamp = 0.0  # clamp log-ratios before exp (0: off)
+  c.rl.loss_agg = 'token-mean'  # see jrl.losses.AGGREGATION_MODES
+  c.rl.loss_norm = 0.0  # seq-mean-token-sum-norm constant (0: padded length)
+  c.rl.kl_coef = 0.0  # β; 0 skips the reference model
+  c.rl.kl_in = 'loss'  # 'loss' (GRPO) or 'reward' (REINFORCE++, PPO)
+  c.rl.kl_estimator = 'k3'  # k1 | k2 | k3 | abs
+  c.rl.kl_input_clamp = 0.0  # 0: off
+  c.rl.kl_output_clamp = 0.0  # 0: off
+  c.rl.entropy_coef = 0.0  # entropy bonus weight
+  c.rl.overlong_buffer = 0  # DAPO: tokens before max_new_tokens where a length penalty starts
+  c.rl.overlong_penalty = 1.0  # DAPO: penalty at max_new_tokens
+  c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups and draw more prompts
+  c.rl.dynamic_sampling_max_draws = 3  # extra prompt draws per step
+  c.rl.chunk_size = 1024  # rows per chunk of the float32 logprob computation
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-4  # peak learning rate
+  c.optim.warmup_steps = 0  # optimiser updates
+  c.optim.decay_steps = 0  # cosine decay after warm-up (0: constant)
+  c.optim.end_lr_ratio = 0.1  # final lr / peak lr
+  c.optim.weight_decay = 0.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+  c.optim.clip_norm = 1.0  # global gradient norm clip (0: off)
+  c.optim.grad_accum = 1  # train steps per optimiser update
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.num_slots = 64  # sequences decoded together
+  c.sampler.page_size = 8  # tokens per KV page
+  c.sampler.num_pages = 0  # 0: enough for every slot's worst case
+  c.sampler.steps_per_dispatch = 8  # decode steps per jitted call
+  c.sampler.attention_impl = 'auto'  # 'auto' | 'gather' | 'pallas'
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 10  # iterations between held-out evaluations (0: never)
+  c.eval.reward = 'exact_match'  # accuracy = share of held-out examples scoring > 0.5
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 20  # iterations between checkpoints
+  c.checkpoint.keep = 3  # checkpoints kept
+  c.checkpoint.async_save = True
+
+  c.log = ml_collections.ConfigDict()
+  c.log.every = 1  # iterations between console lines
+  c.log.tensorboard = True
+  c.log.plot = True  # workdir/curves.png at the end
+  return c

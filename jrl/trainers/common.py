@@ -1,0 +1,82 @@
+"""What every trainer shares: the train state, sequence batches, and the
+guarded optimiser update that skips non-finite steps."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class TrainState(NamedTuple):
+  """Everything that changes during training and must be checkpointed."""
+
+  step: jax.Array  # [] int32: optimiser updates applied (skipped ones not counted)
+  params: Any  # model parameters (nnx.State)
+  opt_state: Any  # optax state
+  extra: Any  # algorithm state: KL controller, critic, reward normaliser ({} if none)
+
+
+def init_state(params, tx, extra=None):
+  return TrainState(jnp.int32(0), params, tx.init(params), {} if extra is None else extra)
+
+
+class SequenceBatch(NamedTuple):
+  """Prompt + response token rows, right-padded, [B, L]."""
+
+  tokens: jax.Array  # [B, L] int32
+  mask: jax.Array  # [B, L] bool: real tokens
+  loss_mask: jax.Array  # [B, L] bool: response tokens (the ones trained on)
+
+
+def pack_sequences(prompts, responses, length, pad_id=0):
+  """Right-padded [B, L] rows of prompt + response token lists.
+
+  Raises:
+    ValueError naming the row if a sequence is longer than `length`.
+  """
+  b = len(prompts)
+  tokens = np.full((b, length), pad_id, np.int32)
+  mask = np.zeros((b, length), bool)
+  loss_mask = np.zeros((b, length), bool)
+  for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+    n, m = len(p), len(r)
+    if n + m > length:
+      raise ValueError(f'row {i}: prompt {n} + response {m} tokens exceed the length {length}.')
+    tokens[i, :n] = p
+    tokens[i, n : n + m] = r
+    mask[i, : n + m] = True
+    loss_mask[i, n : n + m] = True
+  return SequenceBatch(tokens, mask, loss_mask)
+
+
+def apply_gradients(
+  state, grads, loss, tx, schedule, params_key='params', opt_key='opt_state', accum=1
+):
+  """The optimiser update, skipped when the loss or the gradient is not finite.
+
+  `accum` is the gradient-accumulation factor (the schedule counts updates,
+  `state.step` counts train steps).
+
+  Returns:
+    (new_state, metrics) with `grad_norm`, `lr` and `nonfinite` (1.0 when the
+    update was skipped: parameters and optimiser state are left unchanged).
+  """
+  params, opt_state = getattr(state, params_key), getattr(state, opt_key)
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  # Zero non-finite gradients so the (discarded) update is computed on finite values.
+  grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  state = state._replace(
+    **{params_key: keep(new_params, params), opt_key: keep(new_opt_state, opt_state)}
+  )
+  metrics = {
+    'grad_norm': grad_norm,
+    'lr': schedule(state.step // accum),
+    'nonfinite': 1.0 - finite.astype(jnp.float32),
+  }
+  return state._replace(step=state.step + finite.astype(jnp.int32)), metrics

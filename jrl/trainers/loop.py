@@ -1,0 +1,638 @@
+"""The controller of the GRPO family: generate → score → reference → advantages
+→ update → log → checkpoint, with an optional SFT warm-up first.
+
+`run(config)` is what `launch/train.py` calls. It reads top to bottom:
+
+1. set-up: mesh, tokenizer, model (fresh or from a Hugging Face directory),
+   data streams, rewards, sampler, optimiser, jitted steps;
+2. resume from the latest checkpoint in `workdir` if there is one;
+3. iterations: an SFT batch while `it < sft.steps`, else one RL step;
+4. metrics every iteration, held-out evaluation every `eval.every`,
+   a checkpoint every `checkpoint.every`, a plot and an export at the end.
+
+All randomness is a function of (`seed`, iteration), and the data streams'
+positions are checkpointed, so a run resumed from a checkpoint produces the
+same parameters and metrics as one that never stopped.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl import checkpoint as ckpt_lib
+from jrl import losses as L
+from jrl import metrics as metrics_lib
+from jrl import models, parallel, rewards, sampler
+from jrl.data import ArithmeticTask, PromptStream, read_jsonl
+from jrl.models import hf as hf_lib
+from jrl.models.tokenizer import load_tokenizer
+from jrl.trainers import common, policy, sft
+from jrl.trainers.optim import make_optimizer
+
+GROUP_ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp_baseline')
+
+
+def _seed(*parts):
+  """A 31-bit seed from any tuple of ints and strings (stable across runs)."""
+  digest = hashlib.sha256(repr(parts).encode()).digest()
+  return int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
+
+
+# Config checks -----------------------------------------------------------------
+
+
+def validate(config, batch_shards):
+  """Raises ValueError naming the field for anything inconsistent."""
+  rl = config.rl
+
+  def need(cond, field, msg):
+    if not cond:
+      raise ValueError(f'`{field}`: {msg}')
+
+  need(config.sft.steps >= 0, 'sft.steps', 'must be >= 0.')
+  need(rl.steps >= 0, 'rl.steps', 'must be >= 0.')
+  need(rl.prompts_per_step >= 1, 'rl.prompts_per_step', 'must be >= 1.')
+  need(rl.group_size >= 1, 'rl.group_size', 'must be >= 1.')
+  need(
+    rl.group_size >= 2 or rl.advantage not in GROUP_ESTIMATORS,
+    'rl.group_size',
+    f'must be >= 2 for the group estimator {rl.advantage!r}.',
+  )
+  need(rl.advantage in policy.ESTIMATORS, 'rl.advantage', f'must be one of {policy.ESTIMATORS}.')
+  need(rl.policy_loss in policy.POLICY_LOSSES, 'rl.policy_loss', f'one of {policy.POLICY_LOSSES}.')
+  need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
+  rows = rl.prompts_per_step * rl.group_size
+  need(rl.minibatch_size >= 1, 'rl.minibatch_size', 'must be >= 1.')
+  need(
+    rows % rl.minibatch_size == 0,
+    'rl.minibatch_size',
+    f'must divide prompts_per_step x group_size = {rows}.',
+  )
+  need(
+    rl.minibatch_size % batch_shards == 0,
+    'rl.minibatch_size',
+    f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
+  )
+  need(
+    config.sft.batch_size % batch_shards == 0,
+    'sft.batch_size',
+    f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
+  )
+  need(rl.epochs >= 1, 'rl.epochs', 'must be >= 1.')
+  need(rl.temperature > 0, 'rl.temperature', 'must be > 0.')
+  need(rl.kl_coef >= 0, 'rl.kl_coef', 'must be >= 0.')
+  need(rl.max_new_tokens >= 1, 'rl.max_new_tokens', 'must be >= 1.')
+  need(
+    0 <= rl.overlong_buffer < rl.max_new_tokens,
+    'rl.overlong_buffer',
+    'must be in [0, max_new_tokens).',
+  )
+  need(config.sampler.num_slots >= rl.group_size, 'sampler.num_slots', 'must be >= rl.group_size.')
+  need(config.checkpoint.every >= 1, 'checkpoint.every', 'must be >= 1.')
+  need(config.max_nonfinite_steps >= 1, 'max_nonfinite_steps', 'must be >= 1.')
+
+
+# Set-up ------------------------------------------------------------------------
+
+
+class Task:
+  """Training and held-out examples as {'prompt', 'answer'} dicts."""
+
+  def __init__(self, task_config, seed):
+    kind = task_config.kind
+    if kind == 'arith':
+      self.generator = ArithmeticTask(
+        digits=task_config.digits, ops=task_config.ops, seed=task_config.train_seed
+      )
+      self.train = self.generator
+      self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)
+    elif kind == 'jsonl':
+      self.train = read_jsonl(task_config.train_path)
+      self.held_out = read_jsonl(task_config.eval_path) if task_config.eval_path else []
+      self.held_out = self.held_out[: task_config.eval_size]
+    else:
+      raise ValueError(f"`task.kind` must be 'arith' or 'jsonl', got {kind!r}.")
+    self.seed = seed
+
+
+class Encoder:
+  """Turns example prompts into token ids (raw text or the chat template)."""
+
+  def __init__(self, tokenizer, use_chat_template, add_bos):
+    self.tokenizer = tokenizer
+    self.use_chat_template = use_chat_template
+    self.add_bos = add_bos
+
+  def prompt_text(self, prompt):
+    if isinstance(prompt, list):
+      return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    if self.use_chat_template:
+      messages = [{'role': 'user', 'content': prompt}]
+      return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return prompt
+
+  def prompt_ids(self, prompt):
+    ids = self.tokenizer.encode(self.prompt_text(prompt))
+    if self.add_bos and self.tokenizer.bos_id is not None:
+      ids = [self.tokenizer.bos_id, *ids]
+    return ids
+
+
+def build_model(config, tokenizer, mesh):
+  """(ModelConfig, graphdef, params, hf_config or None)."""
+  m = config.model
+  if m.path:
+    ck = hf_lib.load(m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
+    if ck.config.vocab_size < tokenizer.vocab_size:
+      raise ValueError(
+        f'`model.path` vocabulary ({ck.config.vocab_size}) is smaller than the tokenizer '
+        f'({tokenizer.vocab_size}).'
+      )
+    return ck.config, ck.graphdef, ck.params, ck.hf_config
+  model_config = models.ModelConfig(
+    vocab_size=tokenizer.vocab_size,
+    width=m.width,
+    mlp_width=m.mlp_width,
+    num_layers=m.num_layers,
+    num_heads=m.num_heads,
+    num_kv_heads=m.num_kv_heads,
+    head_dim=m.head_dim,
+    tie_embeddings=m.tie_embeddings,
+    init_std=m.init_std,
+    param_dtype=m.param_dtype,
+    compute_dtype=m.compute_dtype,
+  )
+  graphdef, params = models.create_sharded(model_config, jax.random.PRNGKey(config.seed), mesh)
+  return model_config, graphdef, params, None
+
+
+def _policy_loss_config(rl):
+  return policy.PolicyLossConfig(
+    policy_loss=rl.policy_loss,
+    eps_low=rl.eps_low,
+    eps_high=rl.eps_high,
+    dual_clip_c=rl.dual_clip_c or None,
+    log_ratio_clamp=rl.log_ratio_clamp or None,
+    loss_agg=rl.loss_agg,
+    loss_norm=rl.loss_norm or None,
+    kl_coef=rl.kl_coef if rl.kl_in == 'loss' else 0.0,
+    kl_estimator=rl.kl_estimator,
+    kl_input_clamp=rl.kl_input_clamp or None,
+    kl_output_clamp=rl.kl_output_clamp or None,
+    entropy_coef=rl.entropy_coef,
+    temperature=rl.temperature,
+    chunk_size=rl.chunk_size,
+  )
+
+
+def _advantage_config(rl):
+  return policy.AdvantageConfig(
+    estimator=rl.advantage,
+    scale=rl.adv_scale,
+    std=rl.adv_std,
+    eps=rl.adv_eps,
+    gamma=rl.gamma,
+    kl_coef_in_reward=rl.kl_coef if rl.kl_in == 'reward' else 0.0,
+  )
+
+
+# The run -------------------------------------------------------------------------
+
+
+class Trainer:
+  """Holds the set-up of one run; `run()` executes it."""
+
+  def __init__(self, config):
+    self.config = config
+    mc = config.mesh
+    self.mesh = parallel.make_mesh(mc.data, mc.fsdp, mc.tensor)
+    batch_shards = self.mesh.shape['data'] * self.mesh.shape['fsdp']
+    validate(config, batch_shards)
+    self.workdir = os.path.abspath(config.workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+
+    tok_path = config.tokenizer or config.model.path
+    if not tok_path:
+      raise ValueError("`tokenizer` must be 'char' or a directory (or set `model.path`).")
+    self.tokenizer = load_tokenizer(tok_path)
+    self.encoder = Encoder(self.tokenizer, config.task.chat_template, config.task.add_bos)
+    self.task = Task(config.task, config.seed)
+    self.model_config, self.graphdef, params, self.hf_config = build_model(
+      config, self.tokenizer, self.mesh
+    )
+    self.scorer = rewards.RewardScorer(
+      config.reward.functions, config.reward.weights, config.reward.unscored_value
+    )
+    self.eval_scorer = rewards.RewardScorer((config.eval.reward,))
+    self.stop_tokens = tuple(self.tokenizer.eos_ids)
+    rl = config.rl
+    self.seq_len = rl.max_prompt_len + rl.max_new_tokens
+    self._build_sampler()
+
+    # Optimiser and state. The reference model is the policy at the start of RL.
+    # One optimiser per phase (the SFT warm-up has its own learning rate); the
+    # optimiser state and step restart when RL begins.
+    self.tx, self.schedule = make_optimizer(config.optim)
+    sft_optim = config.optim.copy_and_resolve_references()
+    with sft_optim.unlocked():
+      sft_optim.lr = config.sft.lr
+      sft_optim.warmup_steps = config.sft.warmup_steps
+      sft_optim.decay_steps = 0
+    self.sft_tx, self.sft_schedule = make_optimizer(sft_optim)
+    self.accum = int(config.optim.grad_accum)
+    uses_ref = rl.kl_coef > 0
+    extra = {'ref_params': params} if uses_ref else {}
+    first_tx = self.sft_tx if config.sft.steps else self.tx
+    self.state = common.init_state(params, first_tx, extra)
+    self.uses_ref = uses_ref
+    self.loss_cfg = _policy_loss_config(rl)
+    self.adv_cfg = _advantage_config(rl)
+
+    batch_sharding = parallel.batch_sharding(self.mesh)
+    self.batch_sharding = batch_sharding
+    self._rl_step = jax.jit(
+      functools.partial(
+        policy.train_step,
+        graphdef=self.graphdef,
+        tx=self.tx,
+        schedule=self.schedule,
+        cfg=self.loss_cfg,
+        accum=self.accum,
+      ),
+      donate_argnums=(0,),
+    )
+    self._sft_step = jax.jit(
+      functools.partial(
+        sft.train_step,
+        graphdef=self.graphdef,
+        tx=self.sft_tx,
+        schedule=self.sft_schedule,
+        chunk_size=rl.chunk_size,
+        accum=self.accum,
+      ),
+      donate_argnums=(0,),
+    )
+    self._logprobs = jax.jit(
+      functools.partial(
+        models.next_token_logprobs,
+        self.graphdef,
+        temperature=rl.temperature,
+        chunk_size=rl.chunk_size,
+      )
+    )
+    self._advantages = jax.jit(
+      functools.partial(policy.advantages, group_size=rl.group_size, cfg=self.adv_cfg)
+    )
+    self.checkpointer = ckpt_lib.Checkpointer(
+      os.path.join(self.workdir, 'checkpoints'),
+      keep=config.checkpoint.keep,
+      async_save=config.checkpoint.async_save,
+    )
+    self.rl_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'rl'))
+    self.sft_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'sft'))
+    self.iteration = 0
+    self.total = config.sft.steps + rl.steps
+
+  def _build_sampler(self):
+    config, rl = self.config, self.config.rl
+    sc = config.sampler
+    g = rl.group_size
+    per_group = sampler.pages_needed(rl.max_prompt_len, rl.max_new_tokens, g, sc.page_size)
+    groups = max(1, sc.num_slots // g)
+    num_pages = sc.num_pages or 1 + per_group * groups
+    self.engine_config = sampler.EngineConfig(
+      num_slots=sc.num_slots,
+      num_pages=num_pages,
+      page_size=sc.page_size,
+      max_prompt_len=rl.max_prompt_len,
+      max_new_tokens=rl.max_new_tokens,
+      max_stop_tokens=max(1, len(self.stop_tokens)),
+      attention_impl=sc.attention_impl,
+    )
+    self.sampler = sampler.Sampler(
+      self.graphdef,
+      self.model_config,
+      self.engine_config,
+      steps_per_dispatch=sc.steps_per_dispatch,
+      mesh=self.mesh,
+    )
+
+  # Checkpoints -----------------------------------------------------------------
+
+  def _meta(self):
+    return {
+      'iteration': self.iteration,
+      'rl_stream': self.rl_stream.state(),
+      'sft_stream': self.sft_stream.state(),
+      'nonfinite_run': self.nonfinite_run,
+      'config': json.loads(self.config.to_json_best_effort()),
+    }
+
+  def save(self, force=False):
+    self.checkpointer.save(self.iteration, self.state, self._meta(), force=force)
+
+  def maybe_restore(self):
+    latest = self.checkpointer.latest_step()
+    if latest is None:
+      return 0
+    abstract = ckpt_lib.abstract_like(self.state)
+    self.state, meta = self.checkpointer.restore(latest, abstract)
+    self.iteration = int(meta['iteration'])
+    self.rl_stream.restore(meta['rl_stream'])
+    self.sft_stream.restore(meta['sft_stream'])
+    self.nonfinite_run = int(meta.get('nonfinite_run', 0))
+    print(f'resumed from {self.checkpointer.directory}/{latest} (iteration {self.iteration})')
+    return self.iteration
+
+  # Steps -------------------------------------------------------------------------
+
+  def _place(self, batch):
+    return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), self.batch_sharding), batch)
+
+  def sft_iteration(self):
+    config = self.config
+    examples = self.sft_stream.next(config.sft.batch_size)
+    eos = self.stop_tokens[:1]
+    prompts = [self.encoder.prompt_ids(ex['prompt']) for ex in examples]
+    responses = [self.tokenizer.encode(str(ex['answer'])) + list(eos) for ex in examples]
+    batch = common.pack_sequences(prompts, responses, self.seq_len, self.tokenizer.pad_id)
+    start = time.perf_counter()
+    self.state, m = self._sft_step(self.state, self._place(batch))
+    m = jax.device_get(m)
+    m['time/update'] = time.perf_counter() - start
+    m['phase'] = 0.0
+    return m
+
+  def _generate(self, examples, draw):
+    rl = self.config.rl
+    requests = [
+      sampler.Request(
+        prompt=self.encoder.prompt_ids(ex['prompt']),
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_k=rl.top_k,
+        top_p=rl.top_p,
+        stop_tokens=self.stop_tokens,
+        seed=_seed(self.config.seed, self.iteration, draw, i),
+      )
+      for i, ex in enumerate(examples)
+    ]
+    groups = self.sampler.generate(self.state.params, requests, group_size=rl.group_size)
+    return requests, groups
+
+  def _score(self, examples, groups):
+    g = self.config.rl.group_size
+    texts = [
+      self.tokenizer.decode(
+        [t for t in c.tokens if t not in self.stop_tokens], skip_special_tokens=True
+      )
+      for grp in groups
+      for c in grp
+    ]
+    prompts = [self.encoder.prompt_text(ex['prompt']) for ex in examples for _ in range(g)]
+    meta = [ex for ex in examples for _ in range(g)]
+    return self.scorer(prompts, texts, meta)
+
+  def _overlong_penalty(self, lengths):
+    rl = self.config.rl
+    if rl.overlong_buffer <= 0:
+      return np.zeros(len(lengths), np.float32)
+    start = rl.max_new_tokens - rl.overlong_buffer
+    over = np.clip((np.asarray(lengths) - start) / rl.overlong_buffer, 0.0, 1.0)
+    return (rl.overlong_penalty * over).astype(np.float32)
+
+  def rl_iteration(self):
+    config, rl = self.config, self.config.rl
+    g, b = rl.group_size, rl.prompts_per_step
+    m = {}
+    t_step = time.perf_counter()
+
+    # Generate and score. DAPO's dynamic sampling drops groups whose rewards
+    # are all equal (no signal) and draws more prompts until b groups are
+    # kept; if `dynamic_sampling_max_draws` runs out, dropped groups fill up.
+    kept, dropped = [], []
+    t_gen = t_reward = 0.0
+    zero_var_groups = drawn_groups = gen_tokens = 0
+    first_scored = None
+    for draw in range(1 + (rl.dynamic_sampling_max_draws if rl.dynamic_sampling else 0)):
+      examples = self.rl_stream.next(b)
+      start = time.perf_counter()
+      requests, groups = self._generate(examples, draw)
+      t_gen += time.perf_counter() - start
+      gen_tokens += sum(len(c.tokens) for grp in groups for c in grp)
+      start = time.perf_counter()
+      scored = self._score(examples, groups)
+      first_scored = first_scored or scored
+      lengths = [len(c.tokens) for grp in groups for c in grp]
+      total = (scored.total - self._overlong_penalty(lengths)).reshape(b, g)
+      t_reward += time.perf_counter() - start
+      zero_var = total.max(axis=1) == total.min(axis=1)
+      zero_var_groups += int(zero_var.sum())
+      drawn_groups += b
+      for j in range(b):
+        item = (requests[j], groups[j], total[j])
+        (dropped if rl.dynamic_sampling and zero_var[j] else kept).append(item)
+      if len(kept) >= b:
+        break
+    m['groups/dynamic_sampling_short'] = float(len(kept) < b)
+    kept = (kept + dropped)[:b]
+    requests = [k[0] for k in kept]
+    groups = [k[1] for k in kept]
+    rewards_np = np.concatenate([k[2] for k in kept]).astype(np.float32)
+
+    # Rows: prompt + completion.
+    prompts = [r.prompt for r in requests for _ in range(g)]
+    completions = [c.tokens for grp in groups for c in grp]
+    batch = common.pack_sequences(prompts, completions, self.seq_len, self.tokenizer.pad_id)
+    old_logp = np.zeros(batch.tokens.shape, np.float32)
+    for row, c in enumerate(c for grp in groups for c in grp):
+      start = len(prompts[row])
+      old_logp[row, start : start + len(c.tokens)] = c.logprobs
+    lengths = np.asarray([len(c) for c in completions])
+
+    # Reference logprobs (skipped when the KL coefficient is 0).
+    start = time.perf_counter()
+    placed = self._place(batch)
+    ref_logp = jnp.zeros(batch.tokens.shape, jnp.float32)
+    if self.uses_ref:
+      ref_logp = self._minibatched_logprobs(self.state.extra['ref_params'], placed)
+    t_ref = time.perf_counter() - start
+
+    kl_reward = None
+    if self.adv_cfg.kl_coef_in_reward:
+      kl_reward = L.kl_penalty(
+        jnp.asarray(old_logp), ref_logp, estimator='k1', mask=placed.loss_mask
+      )
+    adv = self._advantages(jnp.asarray(rewards_np), placed.loss_mask, kl_BxL=kl_reward)
+    full = policy.PolicyBatch(
+      tokens=placed.tokens,
+      mask=placed.mask,
+      loss_mask=placed.loss_mask,
+      old_logp=self._place(old_logp),
+      ref_logp=ref_logp,
+      advantages=adv,
+    )
+
+    # Updates: epochs x minibatches, in a permutation fixed by (seed, iteration).
+    start = time.perf_counter()
+    rows = b * g
+    mb = rl.minibatch_size
+    update_metrics = []
+    for epoch in range(rl.epochs):
+      perm = np.random.default_rng(_seed(config.seed, self.iteration, 'perm', epoch)).permutation(
+        rows
+      )
+      for k in range(rows // mb):
+        idx = jnp.asarray(np.sort(perm[k * mb : (k + 1) * mb]))
+        mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], self.batch_sharding), full)
+        self.state, um = self._rl_step(self.state, mini)
+        update_metrics.append(um)
+    update_metrics = jax.device_get(update_metrics)
+    t_update = time.perf_counter() - start
+
+    # Metrics, named as veRL / TRL users know them.
+    for k in update_metrics[0]:
+      m[k] = float(np.mean([u[k] for u in update_metrics]))
+    m['actor/logp_diff_abs'] = float(update_metrics[0]['actor/logp_diff_abs'])
+    m['actor/nonfinite'] = float(np.max([u['actor/nonfinite'] for u in update_metrics]))
+    m['reward/mean'] = float(rewards_np.mean())
+    m['reward/std'] = float(rewards_np.std())
+    for name, values in first_scored.per_fn.items():
+      m[f'reward/{name}/mean'] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+      m[f'reward/{name}/unscored'] = float(first_scored.unscored[name])
+    adv_np = np.asarray(jax.device_get(adv))[batch.loss_mask]
+    m['advantages/mean'] = float(adv_np.mean())
+    m['advantages/std'] = float(adv_np.std())
+    m['advantages/max'] = float(adv_np.max())
+    m['advantages/min'] = float(adv_np.min())
+    m['response_length/mean'] = float(lengths.mean())
+    m['response_length/max'] = float(lengths.max())
+    finished = [c.finish_reason for grp in groups for c in grp]
+    m['response_length/clip_ratio'] = float(np.mean([r == 'length' for r in finished]))
+    m['groups/zero_variance_frac'] = zero_var_groups / drawn_groups
+    m['groups/drawn'] = float(drawn_groups)
+    t_total = time.perf_counter() - t_step
+    m['time/generate'] = t_gen
+    m['time/reward'] = t_reward
+    m['time/reference'] = t_ref
+    m['time/update'] = t_update
+    m['time/step'] = t_total
+    m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    m['throughput/update_tokens_per_s'] = rl.epochs * float(batch.mask.sum()) / max(t_update, 1e-9)
+    m['phase'] = 1.0
+    return m
+
+  def _start_rl_phase(self):
+    """After the warm-up: fresh optimiser state for RL, and the reference
+    policy is the warmed-up policy."""
+    params = self.state.params
+    extra = dict(self.state.extra)
+    if self.uses_ref:
+      extra['ref_params'] = jax.tree.map(jnp.copy, params)
+    self.state = common.init_state(params, self.tx, extra)
+
+  def _minibatched_logprobs(self, params, batch):
+    mb = self.config.rl.minibatch_size
+    out = []
+    for k in range(batch.tokens.shape[0] // mb):
+      sl = slice(k * mb, (k + 1) * mb)
+      logp, _ = self._logprobs(params, batch.tokens[sl], batch.mask[sl])
+      out.append(logp)
+    return jax.device_put(jnp.concatenate(out), self.batch_sharding)
+
+  def evaluate(self):
+    """Held-out accuracy with greedy decoding (the `eval.reward` function)."""
+    examples = self.task.held_out
+    if not examples:
+      return {}
+    rl = self.config.rl
+    requests = [
+      sampler.Request(
+        prompt=self.encoder.prompt_ids(ex['prompt']),
+        max_new_tokens=rl.max_new_tokens,
+        greedy=True,
+        stop_tokens=self.stop_tokens,
+      )
+      for ex in examples
+    ]
+    groups = self.sampler.generate(self.state.params, requests, group_size=1)
+    texts = [
+      self.tokenizer.decode(
+        [t for t in grp[0].tokens if t not in self.stop_tokens], skip_special_tokens=True
+      )
+      for grp in groups
+    ]
+    prompts = [self.encoder.prompt_text(ex['prompt']) for ex in examples]
+    scored = self.eval_scorer(prompts, texts, examples)
+    return {'eval/accuracy': float(np.mean(scored.total > 0.5))}
+
+  # The loop ----------------------------------------------------------------------
+
+  def run(self):
+    config = self.config
+    self.nonfinite_run = 0
+    start_it = self.maybe_restore()
+    writer = metrics_lib.MetricsWriter(
+      self.workdir,
+      self.total,
+      resume_step=start_it,
+      tensorboard=config.log.tensorboard,
+      log_every=config.log.every,
+    )
+    if start_it == 0 and config.eval.every:
+      writer.write(0, {**self.evaluate(), 'phase': 0.0})
+    try:
+      while self.iteration < self.total:
+        in_sft = self.iteration < config.sft.steps
+        m = self.sft_iteration() if in_sft else self.rl_iteration()
+        self.iteration += 1
+        if self.iteration == config.sft.steps and config.sft.steps:
+          self._start_rl_phase()
+        nonfinite = m.get('actor/nonfinite', m.get('sft/nonfinite', 0.0))
+        self.nonfinite_run = self.nonfinite_run + 1 if nonfinite else 0
+        if config.eval.every and (
+          self.iteration % config.eval.every == 0
+          or self.iteration == self.total
+          or self.iteration == config.sft.steps
+        ):
+          m.update(self.evaluate())
+        writer.write(self.iteration, m)
+        if self.nonfinite_run >= config.max_nonfinite_steps:
+          last = self.checkpointer.latest_step()
+          raise RuntimeError(
+            f'stopping at iteration {self.iteration}: {self.nonfinite_run} iterations in a row '
+            f'had a non-finite loss or gradient (updates were skipped). The last checkpoint, '
+            f'{last}, in {self.checkpointer.directory} is intact.'
+          )
+        if self.iteration % config.checkpoint.every == 0 or self.iteration == self.total:
+          self.save()
+    finally:
+      self.checkpointer.wait()
+      writer.close()
+    self.checkpointer.close()
+    if config.log.plot:
+      metrics_lib.plot_curves(writer.path, os.path.join(self.workdir, 'curves.png'))
+    if config.export_hf:
+      self.export(os.path.join(self.workdir, 'hf_export'))
+    return self.state
+
+  def export(self, path):
+    """Writes the policy as a Hugging Face checkpoint directory."""
+    hf_lib.save(
+      path,
+      self.model_config,
+      self.state.params,
+      hf_config=self.hf_config,
+      source_dir=self.config.model.path or None,
+    )
+
+
+def run(config):
+  """Runs (or resumes) the job described by `config`; returns the final TrainState."""
+  return Trainer(config).run()

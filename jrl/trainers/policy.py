@@ -1,0 +1,179 @@
+"""The policy update of the GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, CISPO,
+RLOO, REINFORCE++): one pure `train_step(state, batch) -> (state, metrics)`.
+
+Rows are prompt + response sequences [B, L]; the loss covers response
+tokens only (`loss_mask`). `old_logp` are the behaviour policy's logprobs of
+those tokens (the sampler's, which equal the trainer's for the colocated
+sampler), `ref_logp` the reference model's (unused when `kl_coef` is 0), and
+`advantages` are per token, computed once per rollout by `advantages`.
+
+    ℓ_t = policy_loss(logp, old_logp, A) + β · KL_t(π ‖ π_ref) − c_H · H_t
+    L   = aggregate(ℓ, loss_mask, loss_agg)
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jrl import losses as L
+from jrl import models
+from jrl.trainers import common
+
+
+class PolicyBatch(NamedTuple):
+  tokens: jax.Array  # [B, L] int32
+  mask: jax.Array  # [B, L] bool real tokens
+  loss_mask: jax.Array  # [B, L] bool response tokens
+  old_logp: jax.Array  # [B, L] float32 behaviour logprobs (0 off the response)
+  ref_logp: jax.Array  # [B, L] float32 reference logprobs (0 when unused)
+  advantages: jax.Array  # [B, L] float32
+
+
+class PolicyLossConfig(NamedTuple):
+  """Plain values, read from `config.rl` at the edge."""
+
+  policy_loss: str = 'ppo'  # 'ppo' | 'gspo' | 'cispo'
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip_c: float | None = None
+  log_ratio_clamp: float | None = None
+  loss_agg: str = 'token-mean'
+  loss_norm: float | None = None  # seq-mean-token-sum-norm constant (None: L)
+  kl_coef: float = 0.0  # KL in the loss (0: off)
+  kl_estimator: str = 'k3'
+  kl_input_clamp: float | None = None
+  kl_output_clamp: float | None = None
+  entropy_coef: float = 0.0
+  temperature: float = 1.0  # the sampling temperature
+  chunk_size: int = 1024
+
+
+POLICY_LOSSES = ('ppo', 'gspo', 'cispo')
+
+
+def policy_loss(params, graphdef, batch, cfg):
+  """Scalar loss and metrics for one minibatch.
+
+  Returns:
+    (loss [], metrics dict of [] float32).
+  """
+  logp, entropy = models.next_token_logprobs(
+    graphdef,
+    params,
+    batch.tokens,
+    batch.mask,
+    temperature=cfg.temperature,
+    chunk_size=cfg.chunk_size,
+    with_entropy=True,
+  )
+  m = batch.loss_mask
+  if cfg.policy_loss == 'ppo':
+    pg, metrics = L.ppo_clip_loss(
+      logp,
+      batch.old_logp,
+      batch.advantages,
+      m,
+      eps_low=cfg.eps_low,
+      eps_high=cfg.eps_high,
+      dual_clip_c=cfg.dual_clip_c,
+      log_ratio_clamp=cfg.log_ratio_clamp,
+    )
+  elif cfg.policy_loss == 'gspo':
+    pg, metrics = L.gspo_loss(
+      logp, batch.old_logp, batch.advantages, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+    )
+  else:
+    pg, metrics = L.cispo_loss(logp, batch.old_logp, batch.advantages, m, eps_high=cfg.eps_high)
+  total = pg
+  kl = jnp.zeros_like(pg)
+  if cfg.kl_coef:
+    kl = L.kl_penalty(
+      logp,
+      batch.ref_logp,
+      estimator=cfg.kl_estimator,
+      input_clamp=cfg.kl_input_clamp,
+      output_clamp=cfg.kl_output_clamp,
+      mask=m,
+    )
+    total = total + cfg.kl_coef * kl
+  if cfg.entropy_coef:
+    total = total + cfg.entropy_coef * L.entropy_loss(entropy, m)
+  agg = {}
+  if cfg.loss_agg == 'seq-mean-token-sum-norm':
+    agg['norm'] = cfg.loss_norm or batch.tokens.shape[1]
+  loss = L.aggregate(total, m, cfg.loss_agg, **agg)
+  stop = jax.lax.stop_gradient
+  metrics = {f'actor/{k}': v for k, v in metrics.items()}
+  metrics['actor/pg_loss'] = L.aggregate(stop(pg), m, cfg.loss_agg, **agg)
+  metrics['actor/kl_ref'] = L.token_mean(stop(kl), m)
+  metrics['actor/entropy'] = L.token_mean(stop(entropy), m)
+  # Before any update this is the sampler-vs-trainer logprob difference.
+  metrics['actor/logp_diff_abs'] = L.token_mean(stop(jnp.abs(logp - batch.old_logp)), m)
+  return loss, metrics
+
+
+def train_step(state, batch, *, graphdef, tx, schedule, cfg, accum=1):
+  """One optimiser step on one minibatch; non-finite steps are skipped.
+
+  Args:
+    state: common.TrainState.
+    batch: PolicyBatch.
+    graphdef: the model graph (static).
+    tx, schedule: from `make_optimizer`.
+    cfg: PolicyLossConfig.
+    accum: gradient-accumulation factor (for the logged learning rate).
+
+  Returns:
+    (state, metrics).
+  """
+  (loss, metrics), grads = jax.value_and_grad(policy_loss, has_aux=True)(
+    state.params, graphdef, batch, cfg
+  )
+  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule, accum=accum)
+  metrics['actor/loss'] = loss
+  metrics.update({f'actor/{k}': v for k, v in opt_metrics.items()})
+  return state, metrics
+
+
+# Advantages ------------------------------------------------------------------
+
+
+class AdvantageConfig(NamedTuple):
+  estimator: str = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
+  scale: str = 'group'  # grpo: 'group' | 'batch' | 'none'
+  std: str = 'unbiased'
+  eps: float = 1e-6
+  gamma: float = 1.0  # REINFORCE++ discount
+  kl_coef_in_reward: float = 0.0  # β of a KL penalty folded into the reward
+
+
+ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp', 'reinforce_pp_baseline')
+
+
+def advantages(rewards_B, loss_mask_BxL, group_size, cfg, kl_BxL=None):
+  """Per-token advantages [B, L] of one rollout batch.
+
+  Outcome estimators (grpo, dr_grpo, rloo, loo) give each response token its
+  sequence's advantage; REINFORCE++ variants use per-token returns with the
+  KL penalty (β = `kl_coef_in_reward`) in the reward.
+  """
+  m = loss_mask_BxL
+  if cfg.estimator == 'grpo':
+    adv = L.grpo_advantages(rewards_B, group_size, scale=cfg.scale, std=cfg.std, eps=cfg.eps)
+  elif cfg.estimator == 'dr_grpo':
+    adv = L.dr_grpo_advantages(rewards_B, group_size)
+  elif cfg.estimator == 'rloo':
+    adv = L.rloo_advantages(rewards_B, group_size)
+  elif cfg.estimator == 'loo':
+    adv = L.loo_advantages(rewards_B, group_size, eps=cfg.eps)
+  elif cfg.estimator == 'reinforce_pp':
+    tok = L.token_level_rewards(rewards_B, m, kl=kl_BxL, kl_coef=cfg.kl_coef_in_reward)
+    return L.reinforce_pp_advantages(tok, m, gamma=cfg.gamma)
+  elif cfg.estimator == 'reinforce_pp_baseline':
+    return L.reinforce_pp_baseline_advantages(
+      rewards_B, m, group_size, kl=kl_BxL, kl_coef=cfg.kl_coef_in_reward, gamma=cfg.gamma
+    )
+  else:
+    raise ValueError(f'`rl.advantage` must be one of {ESTIMATORS}, got {cfg.estimator!r}.')
+  return L.broadcast_to_tokens(adv, m)
