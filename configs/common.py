@@ -10,6 +10,7 @@ import ml_collections
 
 def base():
   c = ml_collections.ConfigDict()
+  c.algorithm = 'grpo'  # 'grpo' (the GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft'
   c.seed = 0  # everything random derives from (seed, iteration)
   c.workdir = 'runs/default'  # checkpoints, metrics.jsonl, tb/, curves.png
   c.tokenizer = 'char'  # 'char' (built in) or a directory with tokenizer.json ('' = model.path)
@@ -125,3 +126,29 @@ def base():
   c.log.tensorboard = True
   c.log.plot = True  # workdir/curves.png at the end
   return c
+
+
+def ppo_section():
+  """The `ppo` fields of PPO configs."""
+  p = ml_collections.ConfigDict()
+  p.gamma = 1.0  # GAE discount
+  p.lam = 0.95  # GAE λ
+  p.value_clip = 0.5  # clipped value loss range (0: off)
+  p.critic_lr = 1e-4  # critic learning rate (other optimiser settings from `optim`)
+  p.critic_path = ''  # initialise the critic from this HF checkpoint (e.g. a reward model)
+  p.adaptive_kl = True  # Ziegler et al. controller on rl.kl_coef
+  p.kl_target = 0.05  # adaptive KL target (per token, nats)
+  p.kl_horizon = 10000  # adaptive KL horizon (samples)
+  return p
+
+
+def dpo_section():
+  """The `dpo` fields of DPO configs."""
+  d = ml_collections.ConfigDict()
+  d.loss = 'dpo'  # 'dpo' | 'ipo' | 'hinge' | 'simpo' | 'orpo'
+  d.beta = 0.1  # β (ORPO: λ)
+  d.label_smoothing = 0.0  # conservative DPO ε
+  d.simpo_gamma = 0.5  # SimPO target margin
+  d.pairs_per_step = 32  # preference pairs per step
+  d.train_path = ''  # JSONL {"prompt", "chosen", "rejected"}; '' = pairs from the arith task
+  return d

@@ -44,14 +44,16 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=resume_step + 1)
+      purge = resume_step + 1 if resume_step > 0 else 0
+      self._tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=purge)
     self._start = time.time()
     self._first_step = resume_step
 
   def _truncate(self, resume_step):
+    """Keeps the records up to the checkpoint resumed from (none on a fresh start)."""
     if not os.path.exists(self.path):
       return
-    kept = [r for r in read_jsonl(self.path) if r['step'] <= resume_step]
+    kept = [r for r in read_jsonl(self.path) if 0 < resume_step and r['step'] <= resume_step]
     with open(self.path, 'w', encoding='utf-8') as f:
       for r in kept:
         f.write(json.dumps(r, sort_keys=True) + '\n')
@@ -78,6 +80,8 @@ class MetricsWriter:
       ('phase', 'phase'),
       ('eval/accuracy', 'eval_acc'),
       ('sft/nll', 'nll'),
+      ('dpo/loss', 'dpo_loss'),
+      ('rewards/accuracies', 'pref_acc'),
       ('reward/mean', 'reward'),
       ('actor/pg_loss', 'pg_loss'),
       ('actor/kl_ref', 'kl'),

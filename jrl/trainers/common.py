@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 class TrainState(NamedTuple):
@@ -20,6 +21,22 @@ class TrainState(NamedTuple):
 
 def init_state(params, tx, extra=None):
   return TrainState(jnp.int32(0), params, tx.init(params), {} if extra is None else extra)
+
+
+def place_on_mesh(tree, mesh):
+  """Arrays already laid out on `mesh` stay; everything else (scalars such as
+  step counters, single-device leaves) is replicated over it. A train state
+  placed this way keeps one layout for its whole life: the jitted steps are
+  compiled once and a restored checkpoint lands where the state was."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def place(x):
+    sharding = getattr(x, 'sharding', None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, replicated)
+
+  return jax.tree.map(place, tree)
 
 
 class SequenceBatch(NamedTuple):
@@ -64,7 +81,7 @@ def apply_gradients(
     update was skipped: parameters and optimiser state are left unchanged).
   """
   params, opt_state = getattr(state, params_key), getattr(state, opt_key)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   # Zero non-finite gradients so the (discarded) update is computed on finite values.
   grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)

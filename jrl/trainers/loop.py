@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,26 @@ def _seed(*parts):
   """A 31-bit seed from any tuple of ints and strings (stable across runs)."""
   digest = hashlib.sha256(repr(parts).encode()).digest()
   return int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
+
+
+class Rollout(NamedTuple):
+  """One scored rollout batch, rows b·G + g, placed on the mesh."""
+
+  batch: common.SequenceBatch  # [B·G, L]
+  old_logp: jax.Array  # [B·G, L] the sampler's logprobs on response tokens
+  ref_logp: jax.Array  # [B·G, L] reference logprobs (zeros without a reference)
+  rewards: np.ndarray  # [B·G] float32 total reward (overlong penalty included)
+  metrics: dict
+
+
+def _advantage_metrics(adv, loss_mask):
+  values = np.asarray(jax.device_get(adv))[np.asarray(jax.device_get(loss_mask))]
+  return {
+    'advantages/mean': float(values.mean()),
+    'advantages/std': float(values.std()),
+    'advantages/max': float(values.max()),
+    'advantages/min': float(values.min()),
+  }
 
 
 # Config checks -----------------------------------------------------------------
@@ -96,6 +117,7 @@ def validate(config, batch_shards):
   need(config.sampler.num_slots >= rl.group_size, 'sampler.num_slots', 'must be >= rl.group_size.')
   need(config.checkpoint.every >= 1, 'checkpoint.every', 'must be >= 1.')
   need(config.max_nonfinite_steps >= 1, 'max_nonfinite_steps', 'must be >= 1.')
+  need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
 
 
 # Set-up ------------------------------------------------------------------------
@@ -223,6 +245,10 @@ class Trainer:
     self.tokenizer = load_tokenizer(tok_path)
     self.encoder = Encoder(self.tokenizer, config.task.chat_template, config.task.add_bos)
     self.task = Task(config.task, config.seed)
+    # Every stream's position is checkpointed (subclasses may add streams).
+    self.rl_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'rl'))
+    self.sft_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'sft'))
+    self.streams = {'rl_stream': self.rl_stream, 'sft_stream': self.sft_stream}
     self.model_config, self.graphdef, params, self.hf_config = build_model(
       config, self.tokenizer, self.mesh
     )
@@ -246,11 +272,14 @@ class Trainer:
       sft_optim.decay_steps = 0
     self.sft_tx, self.sft_schedule = make_optimizer(sft_optim)
     self.accum = int(config.optim.grad_accum)
-    uses_ref = rl.kl_coef > 0
-    extra = {'ref_params': params} if uses_ref else {}
+    self._setup_algorithm()
+    self.uses_ref = self._needs_reference()
     first_tx = self.sft_tx if config.sft.steps else self.tx
-    self.state = common.init_state(params, first_tx, extra)
-    self.uses_ref = uses_ref
+    self.state = self._new_state(params, first_tx)
+    self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    self.replicated = parallel.replicated(self.mesh)
+    # Steps return the state in the layout they received it: compiled once.
+    self.step_shardings = (self.state_shardings, self.replicated)
     self.loss_cfg = _policy_loss_config(rl)
     self.adv_cfg = _advantage_config(rl)
 
@@ -266,6 +295,7 @@ class Trainer:
         accum=self.accum,
       ),
       donate_argnums=(0,),
+      out_shardings=self.step_shardings,
     )
     self._sft_step = jax.jit(
       functools.partial(
@@ -277,6 +307,7 @@ class Trainer:
         accum=self.accum,
       ),
       donate_argnums=(0,),
+      out_shardings=self.step_shardings,
     )
     self._logprobs = jax.jit(
       functools.partial(
@@ -294,8 +325,6 @@ class Trainer:
       keep=config.checkpoint.keep,
       async_save=config.checkpoint.async_save,
     )
-    self.rl_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'rl'))
-    self.sft_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'sft'))
     self.iteration = 0
     self.total = config.sft.steps + rl.steps
 
@@ -328,8 +357,7 @@ class Trainer:
   def _meta(self):
     return {
       'iteration': self.iteration,
-      'rl_stream': self.rl_stream.state(),
-      'sft_stream': self.sft_stream.state(),
+      'streams': {name: stream.state() for name, stream in self.streams.items()},
       'nonfinite_run': self.nonfinite_run,
       'config': json.loads(self.config.to_json_best_effort()),
     }
@@ -344,8 +372,8 @@ class Trainer:
     abstract = ckpt_lib.abstract_like(self.state)
     self.state, meta = self.checkpointer.restore(latest, abstract)
     self.iteration = int(meta['iteration'])
-    self.rl_stream.restore(meta['rl_stream'])
-    self.sft_stream.restore(meta['sft_stream'])
+    for name, stream in self.streams.items():
+      stream.restore(meta['streams'][name])
     self.nonfinite_run = int(meta.get('nonfinite_run', 0))
     print(f'resumed from {self.checkpointer.directory}/{latest} (iteration {self.iteration})')
     return self.iteration
@@ -407,15 +435,16 @@ class Trainer:
     over = np.clip((np.asarray(lengths) - start) / rl.overlong_buffer, 0.0, 1.0)
     return (rl.overlong_penalty * over).astype(np.float32)
 
-  def rl_iteration(self):
-    config, rl = self.config, self.config.rl
+  def collect_rollout(self):
+    """Generates and scores one batch of groups; returns a Rollout.
+
+    DAPO's dynamic sampling drops groups whose rewards are all equal (no
+    signal) and draws more prompts until `prompts_per_step` groups are kept;
+    if `dynamic_sampling_max_draws` runs out, dropped groups fill up.
+    """
+    rl = self.config.rl
     g, b = rl.group_size, rl.prompts_per_step
     m = {}
-    t_step = time.perf_counter()
-
-    # Generate and score. DAPO's dynamic sampling drops groups whose rewards
-    # are all equal (no signal) and draws more prompts until b groups are
-    # kept; if `dynamic_sampling_max_draws` runs out, dropped groups fill up.
     kept, dropped = [], []
     t_gen = t_reward = 0.0
     zero_var_groups = drawn_groups = gen_tokens = 0
@@ -440,21 +469,24 @@ class Trainer:
         (dropped if rl.dynamic_sampling and zero_var[j] else kept).append(item)
       if len(kept) >= b:
         break
-    m['groups/dynamic_sampling_short'] = float(len(kept) < b)
+    if rl.dynamic_sampling:
+      m['groups/dynamic_sampling_short'] = float(len(kept) < b)
     kept = (kept + dropped)[:b]
     requests = [k[0] for k in kept]
     groups = [k[1] for k in kept]
     rewards_np = np.concatenate([k[2] for k in kept]).astype(np.float32)
 
-    # Rows: prompt + completion.
+    # Rows: prompt + completion, with the sampler's logprobs on the completion.
     prompts = [r.prompt for r in requests for _ in range(g)]
-    completions = [c.tokens for grp in groups for c in grp]
-    batch = common.pack_sequences(prompts, completions, self.seq_len, self.tokenizer.pad_id)
+    completions = [c for grp in groups for c in grp]
+    batch = common.pack_sequences(
+      prompts, [c.tokens for c in completions], self.seq_len, self.tokenizer.pad_id
+    )
     old_logp = np.zeros(batch.tokens.shape, np.float32)
-    for row, c in enumerate(c for grp in groups for c in grp):
+    for row, c in enumerate(completions):
       start = len(prompts[row])
       old_logp[row, start : start + len(c.tokens)] = c.logprobs
-    lengths = np.asarray([len(c) for c in completions])
+    lengths = np.asarray([len(c.tokens) for c in completions])
 
     # Reference logprobs (skipped when the KL coefficient is 0).
     start = time.perf_counter()
@@ -462,80 +494,111 @@ class Trainer:
     ref_logp = jnp.zeros(batch.tokens.shape, jnp.float32)
     if self.uses_ref:
       ref_logp = self._minibatched_logprobs(self.state.extra['ref_params'], placed)
+      jax.block_until_ready(ref_logp)
     t_ref = time.perf_counter() - start
 
-    kl_reward = None
-    if self.adv_cfg.kl_coef_in_reward:
-      kl_reward = L.kl_penalty(
-        jnp.asarray(old_logp), ref_logp, estimator='k1', mask=placed.loss_mask
-      )
-    adv = self._advantages(jnp.asarray(rewards_np), placed.loss_mask, kl_BxL=kl_reward)
-    full = policy.PolicyBatch(
-      tokens=placed.tokens,
-      mask=placed.mask,
-      loss_mask=placed.loss_mask,
-      old_logp=self._place(old_logp),
-      ref_logp=ref_logp,
-      advantages=adv,
-    )
-
-    # Updates: epochs x minibatches, in a permutation fixed by (seed, iteration).
-    start = time.perf_counter()
-    rows = b * g
-    mb = rl.minibatch_size
-    update_metrics = []
-    for epoch in range(rl.epochs):
-      perm = np.random.default_rng(_seed(config.seed, self.iteration, 'perm', epoch)).permutation(
-        rows
-      )
-      for k in range(rows // mb):
-        idx = jnp.asarray(np.sort(perm[k * mb : (k + 1) * mb]))
-        mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], self.batch_sharding), full)
-        self.state, um = self._rl_step(self.state, mini)
-        update_metrics.append(um)
-    update_metrics = jax.device_get(update_metrics)
-    t_update = time.perf_counter() - start
-
-    # Metrics, named as veRL / TRL users know them.
-    for k in update_metrics[0]:
-      m[k] = float(np.mean([u[k] for u in update_metrics]))
-    m['actor/logp_diff_abs'] = float(update_metrics[0]['actor/logp_diff_abs'])
-    m['actor/nonfinite'] = float(np.max([u['actor/nonfinite'] for u in update_metrics]))
     m['reward/mean'] = float(rewards_np.mean())
     m['reward/std'] = float(rewards_np.std())
     for name, values in first_scored.per_fn.items():
       m[f'reward/{name}/mean'] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
       m[f'reward/{name}/unscored'] = float(first_scored.unscored[name])
-    adv_np = np.asarray(jax.device_get(adv))[batch.loss_mask]
-    m['advantages/mean'] = float(adv_np.mean())
-    m['advantages/std'] = float(adv_np.std())
-    m['advantages/max'] = float(adv_np.max())
-    m['advantages/min'] = float(adv_np.min())
     m['response_length/mean'] = float(lengths.mean())
     m['response_length/max'] = float(lengths.max())
-    finished = [c.finish_reason for grp in groups for c in grp]
-    m['response_length/clip_ratio'] = float(np.mean([r == 'length' for r in finished]))
+    m['response_length/clip_ratio'] = float(
+      np.mean([c.finish_reason == 'length' for c in completions])
+    )
     m['groups/zero_variance_frac'] = zero_var_groups / drawn_groups
     m['groups/drawn'] = float(drawn_groups)
-    t_total = time.perf_counter() - t_step
     m['time/generate'] = t_gen
     m['time/reward'] = t_reward
     m['time/reference'] = t_ref
-    m['time/update'] = t_update
-    m['time/step'] = t_total
     m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
-    m['throughput/update_tokens_per_s'] = rl.epochs * float(batch.mask.sum()) / max(t_update, 1e-9)
+    return Rollout(
+      batch=placed,
+      old_logp=self._place(old_logp),
+      ref_logp=ref_logp,
+      rewards=rewards_np,
+      metrics=m,
+    )
+
+  def run_minibatches(self, step_fn, full):
+    """`rl.epochs` passes of `step_fn` over minibatches of `full` (a pytree of
+    [B·G, ...] arrays), in permutations fixed by (seed, iteration).
+
+    Returns:
+      (metrics averaged over minibatches, seconds).
+    """
+    rl = self.config.rl
+    start = time.perf_counter()
+    rows = rl.prompts_per_step * rl.group_size
+    mb = rl.minibatch_size
+    results = []
+    for epoch in range(rl.epochs):
+      rng = np.random.default_rng(_seed(self.config.seed, self.iteration, 'perm', epoch))
+      perm = rng.permutation(rows)
+      for k in range(rows // mb):
+        idx = jnp.asarray(np.sort(perm[k * mb : (k + 1) * mb]))
+        mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], self.batch_sharding), full)
+        self.state, um = step_fn(self.state, mini)
+        results.append(um)
+    results = jax.device_get(results)
+    m = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
+    # The first minibatch is scored before any update: the sampler/trainer gap.
+    if 'actor/logp_diff_abs' in results[0]:
+      m['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])
+    for k in ('actor/nonfinite', 'critic/nonfinite'):
+      if k in results[0]:
+        m[k] = float(np.max([u[k] for u in results]))
+    return m, time.perf_counter() - start
+
+  def rl_iteration(self):
+    """One GRPO-family step: rollout, advantages, updates."""
+    rl = self.config.rl
+    t_step = time.perf_counter()
+    ro = self.collect_rollout()
+    m = dict(ro.metrics)
+    kl_reward = None
+    if self.adv_cfg.kl_coef_in_reward:
+      kl_reward = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator='k1', mask=ro.batch.loss_mask)
+    adv = self._advantages(jnp.asarray(ro.rewards), ro.batch.loss_mask, kl_BxL=kl_reward)
+    full = policy.PolicyBatch(
+      tokens=ro.batch.tokens,
+      mask=ro.batch.mask,
+      loss_mask=ro.batch.loss_mask,
+      old_logp=ro.old_logp,
+      ref_logp=ro.ref_logp,
+      advantages=adv,
+    )
+    um, t_update = self.run_minibatches(self._rl_step, full)
+    m.update(um)
+    m.update(_advantage_metrics(adv, ro.batch.loss_mask))
+    m['time/update'] = t_update
+    m['time/step'] = time.perf_counter() - t_step
+    m['throughput/update_tokens_per_s'] = (
+      rl.epochs * float(np.asarray(ro.batch.mask).sum()) / max(t_update, 1e-9)
+    )
     m['phase'] = 1.0
     return m
 
+  def _setup_algorithm(self):
+    """Subclasses build what their algorithm state needs (before the state)."""
+
+  def _needs_reference(self):
+    return self.config.rl.kl_coef > 0
+
+  def _init_extra(self, params):
+    """Algorithm state kept in TrainState.extra (same structure all run long)."""
+    return {'ref_params': jax.tree.map(jnp.copy, params)} if self.uses_ref else {}
+
   def _start_rl_phase(self):
-    """After the warm-up: fresh optimiser state for RL, and the reference
-    policy is the warmed-up policy."""
-    params = self.state.params
-    extra = dict(self.state.extra)
-    if self.uses_ref:
-      extra['ref_params'] = jax.tree.map(jnp.copy, params)
-    self.state = common.init_state(params, self.tx, extra)
+    """After the warm-up: fresh optimiser state for RL, and algorithm state
+    (the reference policy, a critic) built from the warmed-up policy."""
+    self.state = self._new_state(self.state.params, self.tx)
+
+  def _new_state(self, params, tx):
+    """A TrainState with fresh optimiser and algorithm state, placed on the mesh."""
+    state = common.init_state(params, tx, self._init_extra(params))
+    return common.place_on_mesh(state, self.mesh)
 
   def _minibatched_logprobs(self, params, batch):
     mb = self.config.rl.minibatch_size
@@ -633,6 +696,25 @@ class Trainer:
     )
 
 
+ALGORITHMS = ('grpo', 'ppo', 'dpo', 'sft')
+
+
+def make_trainer(config):
+  """The controller for `config.algorithm`."""
+  algorithm = config.algorithm
+  if algorithm in ('grpo', 'sft'):
+    return Trainer(config)
+  if algorithm == 'ppo':
+    from jrl.trainers.ppo import PPOTrainer
+
+    return PPOTrainer(config)
+  if algorithm == 'dpo':
+    from jrl.trainers.dpo import DPOTrainer
+
+    return DPOTrainer(config)
+  raise ValueError(f'`algorithm` must be one of {ALGORITHMS}, got {algorithm!r}.')
+
+
 def run(config):
   """Runs (or resumes) the job described by `config`; returns the final TrainState."""
-  return Trainer(config).run()
+  return make_trainer(config).run()

@@ -1,0 +1,15 @@
+"""Supervised fine-tuning only, on the default task (the baseline to GRPO).
+
+python launch/train.py --config configs/sft_arith.py
+"""
+
+from configs import grpo_arith
+
+
+def get_config():
+  c = grpo_arith.get_config()
+  c.algorithm = 'sft'
+  c.workdir = 'runs/sft_arith'
+  c.sft.steps = 550  # as many iterations as the default job's SFT + GRPO
+  c.rl.steps = 0
+  return c

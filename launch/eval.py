@@ -1,0 +1,42 @@
+"""Held-out accuracy of a run's latest (or given) checkpoint.
+
+    python launch/eval.py --config configs/grpo_arith.py [--step 450]
+
+Uses the run's config (same overrides as for training), restores the
+checkpoint from `config.workdir`, decodes the held-out set greedily with the
+paged sampler and prints the share scored correct by `config.eval.reward`.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config.', lock_config=True)
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint iteration (default: the latest).')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.WARNING)
+  from jrl import checkpoint
+  from jrl.trainers import loop
+
+  trainer = loop.make_trainer(_CONFIG.value)
+  ckpt = trainer.checkpointer
+  step = _STEP.value if _STEP.value is not None else ckpt.latest_step()
+  if step is None:
+    raise SystemExit(f'no checkpoint in {ckpt.directory}')
+  trainer.state, _ = ckpt.restore(step, checkpoint.abstract_like(trainer.state))
+  result = {'checkpoint': step, **trainer.evaluate()}
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  flags.mark_flags_as_required(['config'])
+  app.run(main)
