@@ -57,6 +57,7 @@ def base():
   c.sft.batch_size = 64  # sequences per SFT step
   c.sft.lr = 1e-3  # SFT learning rate (the other optimiser settings come from `optim`)
   c.sft.warmup_steps = 10  # SFT linear warm-up
+  c.sft.train_path = ''  # JSONL {"prompt", "response"}; '' = the task's (prompt, answer)
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 100  # RL iterations

@@ -18,7 +18,9 @@ import numpy as np
 
 PLOT_KEYS = (
   ('reward/mean', 'reward'),
+  ('eval/accuracy', 'held-out accuracy'),
   ('actor/kl_ref', 'KL to reference'),
+  ('actor/approx_kl', 'KL old -> new (per update)'),
   ('actor/entropy', 'entropy'),
   ('response_length/mean', 'response length'),
 )
@@ -112,7 +114,9 @@ def plot_curves(metrics_path, out_path, keys=PLOT_KEYS):
   import matplotlib.pyplot as plt
 
   records = read_jsonl(metrics_path)
-  present = [(k, title) for k, title in keys if any(r.get(k) is not None for r in records)]
+  # A metric that is missing or identically zero (e.g. the KL to a reference
+  # that is not used) gets no panel.
+  present = [(k, title) for k, title in keys if any(r.get(k) for r in records)]
   if not present:
     return None
   fig, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.2), squeeze=False)

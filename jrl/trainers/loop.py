@@ -30,7 +30,7 @@ from jrl import checkpoint as ckpt_lib
 from jrl import losses as L
 from jrl import metrics as metrics_lib
 from jrl import models, parallel, rewards, sampler
-from jrl.data import ArithmeticTask, PromptStream, read_jsonl
+from jrl.data import ArithmeticTask, PromptStream, read_jsonl, read_sft_jsonl
 from jrl.models import hf as hf_lib
 from jrl.models.tokenizer import load_tokenizer
 from jrl.trainers import common, policy, sft
@@ -247,7 +247,10 @@ class Trainer:
     self.task = Task(config.task, config.seed)
     # Every stream's position is checkpointed (subclasses may add streams).
     self.rl_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'rl'))
-    self.sft_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'sft'))
+    # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
+    # (prompt, answer) examples.
+    sft_source = read_sft_jsonl(config.sft.train_path) if config.sft.train_path else self.task.train
+    self.sft_stream = PromptStream(sft_source, seed=_seed(config.seed, 'sft'))
     self.streams = {'rl_stream': self.rl_stream, 'sft_stream': self.sft_stream}
     self.model_config, self.graphdef, params, self.hf_config = build_model(
       config, self.tokenizer, self.mesh
@@ -388,7 +391,10 @@ class Trainer:
     examples = self.sft_stream.next(config.sft.batch_size)
     eos = self.stop_tokens[:1]
     prompts = [self.encoder.prompt_ids(ex['prompt']) for ex in examples]
-    responses = [self.tokenizer.encode(str(ex['answer'])) + list(eos) for ex in examples]
+    responses = [
+      self.tokenizer.encode(str(ex['response'] if 'response' in ex else ex['answer'])) + list(eos)
+      for ex in examples
+    ]
     batch = common.pack_sequences(prompts, responses, self.seq_len, self.tokenizer.pad_id)
     start = time.perf_counter()
     self.state, m = self._sft_step(self.state, self._place(batch))
