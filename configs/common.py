@@ -50,7 +50,10 @@ def base():
   c.reward = ml_collections.ConfigDict()
   c.reward.functions = ('exact_match',)  # names in jrl.rewards.REGISTRY
   c.reward.weights = ()  # one per function; () = all 1.0
-  c.reward.unscored_value = 0.0  # reward for "could not score"
+  c.reward.unscored_value = 0.0  # reward for "could not score" (and for failures, timeouts)
+  c.reward.mode = 'process'  # 'process' (CPU-bound) | 'thread' (I/O-bound) | 'inline'
+  c.reward.workers = 2  # worker processes or threads
+  c.reward.timeout_s = 30.0  # per chunk of completions; late chunks count as timeouts
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 0  # supervised warm-up iterations before RL

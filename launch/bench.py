@@ -3,6 +3,7 @@
     python launch/bench.py logprobs [--tokens 2048 --vocab 32768 --width 256 --chunk 256]
     python launch/bench.py model [--size cpu-20m|gpu-0.5b --batch 8 --seq 256]
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
+    python launch/bench.py grpo [--setup default|larger --steps 4]
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -289,6 +290,75 @@ def bench_sampler(args):
   )
 
 
+GRPO_SETUPS = {
+  # configs/grpo_arith.py as it is (its RL phase; the warm-up is skipped).
+  'default': {},
+  # A 22M-parameter model, longer sequences and a KL-regularised update.
+  'larger': {
+    'model': dict(
+      width=512, mlp_width=1408, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
+    ),
+    'rl': dict(max_prompt_len=64, max_new_tokens=64, kl_coef=0.001, minibatch_size=32),
+    'task': dict(digits=9, ops='*'),
+    'sampler': dict(page_size=16),
+  },
+}
+
+
+def bench_grpo(args):
+  """Seconds per stage of GRPO steps of configs/grpo_arith.py (median after the first)."""
+  import os
+  import sys
+  import tempfile
+
+  from absl import logging
+
+  logging.set_verbosity(logging.WARNING)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import grpo_arith
+  from jrl.trainers import loop
+
+  config = grpo_arith.get_config()
+  config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
+  config.sft.steps = 0
+  config.rl.steps = args.steps
+  config.eval.every = 0
+  config.log.tensorboard = False
+  config.log.plot = False
+  config.checkpoint.every = 10**6
+  for section, fields in GRPO_SETUPS[args.setup].items():
+    for k, v in fields.items():
+      config[section][k] = v
+  trainer = loop.make_trainer(config)
+  mc = trainer.model_config
+  rows = config.rl.prompts_per_step * config.rl.group_size
+  print(
+    f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
+    f'{trainer.seq_len} tokens (prompt <= {config.rl.max_prompt_len}, new <= '
+    f'{config.rl.max_new_tokens}), kl_coef {config.rl.kl_coef}, backend {jax.default_backend()}'
+  )
+  records = []
+  for _ in range(args.steps):
+    records.append(trainer.rl_iteration())
+    trainer.iteration += 1
+  steady = records[1:] or records
+  med = lambda k: statistics.median(r[k] for r in steady)
+  peak = measure_matmul_peak()
+  # The update runs forward + backward (3x forward FLOPs) on every padded token.
+  update_flops = 3 * model_flops_per_token(mc, trainer.seq_len) * rows * config.rl.epochs
+  update_flops *= trainer.seq_len
+  gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
+  for stage in ('generate', 'reward', 'reference', 'update', 'step'):
+    print(f'  {stage:10s} {med("time/" + stage):8.3f} s')
+  print(f'  first step (compiles included): {records[0]["time/step"]:.1f} s')
+  print(f'  generate: {gen_tokens / med("time/generate"):9.0f} tokens/s')
+  print(
+    f'  update:   {med("throughput/update_tokens_per_s"):9.0f} tokens/s, MFU '
+    f'{100 * update_flops / med("time/update") / peak:.1f}% of a {peak / 1e9:.0f} GFLOP/s '
+    'float32 matmul peak'
+  )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='bench', required=True)
@@ -319,8 +389,16 @@ def main():
   p.add_argument('--page_size', type=int, default=16)
   p.add_argument('--steps', type=int, default=16, help='decode steps per dispatch')
   p.add_argument('--repeats', type=int, default=1)
+  p = sub.add_parser('grpo', help='seconds per stage of a GRPO step')
+  p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
+  p.add_argument('--steps', type=int, default=4)
   args = parser.parse_args()
-  benches = {'logprobs': bench_logprobs, 'model': bench_model, 'sampler': bench_sampler}
+  benches = {
+    'logprobs': bench_logprobs,
+    'model': bench_model,
+    'sampler': bench_sampler,
+    'grpo': bench_grpo,
+  }
   benches[args.bench](args)
 
 

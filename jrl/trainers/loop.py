@@ -255,10 +255,16 @@ class Trainer:
     self.model_config, self.graphdef, params, self.hf_config = build_model(
       config, self.tokenizer, self.mesh
     )
-    self.scorer = rewards.RewardScorer(
-      config.reward.functions, config.reward.weights, config.reward.unscored_value
+    rc = config.reward
+    self.scorer = rewards.RewardService(
+      rc.functions,
+      rc.weights,
+      unscored_value=rc.unscored_value,
+      mode=rc.mode,
+      workers=rc.workers,
+      timeout_s=rc.timeout_s,
     )
-    self.eval_scorer = rewards.RewardScorer((config.eval.reward,))
+    self.eval_scorer = rewards.RewardService((config.eval.reward,), mode='inline')
     self.stop_tokens = tuple(self.tokenizer.eos_ids)
     rl = config.rl
     self.seq_len = rl.max_prompt_len + rl.max_new_tokens
@@ -508,6 +514,10 @@ class Trainer:
     for name, values in first_scored.per_fn.items():
       m[f'reward/{name}/mean'] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
       m[f'reward/{name}/unscored'] = float(first_scored.unscored[name])
+      m[f'reward/{name}/failures'] = float(first_scored.failures[name])
+      m[f'reward/{name}/timeouts'] = float(first_scored.timeouts[name])
+    if first_scored.errors:
+      print('reward errors (scored as unscored):\n  ' + '\n  '.join(first_scored.errors))
     m['response_length/mean'] = float(lengths.mean())
     m['response_length/max'] = float(lengths.max())
     m['response_length/clip_ratio'] = float(
@@ -684,6 +694,7 @@ class Trainer:
     finally:
       self.checkpointer.wait()
       writer.close()
+      self.scorer.close()
     self.checkpointer.close()
     if config.log.plot:
       metrics_lib.plot_curves(writer.path, os.path.join(self.workdir, 'curves.png'))
