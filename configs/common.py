@@ -54,6 +54,8 @@ def base():
   c.reward.mode = 'process'  # 'process' (CPU-bound) | 'thread' (I/O-bound) | 'inline'
   c.reward.workers = 2  # worker processes or threads
   c.reward.timeout_s = 30.0  # per chunk of completions; late chunks count as timeouts
+  c.reward.url = ''  # score on a `python -m jrl.rewards.server` instead (functions set there)
+  c.reward.model_path = ''  # HF reward model (scalar head); name it 'reward_model' in functions
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 0  # supervised warm-up iterations before RL

@@ -33,6 +33,8 @@ from jrl import models, parallel, rewards, sampler
 from jrl.data import ArithmeticTask, PromptStream, read_jsonl, read_sft_jsonl
 from jrl.models import hf as hf_lib
 from jrl.models.tokenizer import load_tokenizer
+from jrl.rewards.format import overlong_penalty
+from jrl.rewards.server import RemoteRewardService
 from jrl.trainers import common, policy, sft
 from jrl.trainers.optim import make_optimizer
 
@@ -256,14 +258,18 @@ class Trainer:
       config, self.tokenizer, self.mesh
     )
     rc = config.reward
-    self.scorer = rewards.RewardService(
-      rc.functions,
-      rc.weights,
-      unscored_value=rc.unscored_value,
-      mode=rc.mode,
-      workers=rc.workers,
-      timeout_s=rc.timeout_s,
-    )
+    if rc.url:
+      self.scorer = RemoteRewardService(rc.url, timeout_s=rc.timeout_s)
+    else:
+      self.scorer = rewards.RewardService(
+        rc.functions,
+        rc.weights,
+        unscored_value=rc.unscored_value,
+        mode=rc.mode,
+        workers=rc.workers,
+        timeout_s=rc.timeout_s,
+        inline_fns=self._inline_reward_fns(),
+      )
     self.eval_scorer = rewards.RewardService((config.eval.reward,), mode='inline')
     self.stop_tokens = tuple(self.tokenizer.eos_ids)
     rl = config.rl
@@ -441,11 +447,7 @@ class Trainer:
 
   def _overlong_penalty(self, lengths):
     rl = self.config.rl
-    if rl.overlong_buffer <= 0:
-      return np.zeros(len(lengths), np.float32)
-    start = rl.max_new_tokens - rl.overlong_buffer
-    over = np.clip((np.asarray(lengths) - start) / rl.overlong_buffer, 0.0, 1.0)
-    return (rl.overlong_penalty * over).astype(np.float32)
+    return overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
 
   def collect_rollout(self):
     """Generates and scores one batch of groups; returns a Rollout.
@@ -595,6 +597,16 @@ class Trainer:
     )
     m['phase'] = 1.0
     return m
+
+  def _inline_reward_fns(self):
+    """Reward functions that need this process's state: a jrl reward model."""
+    rc = self.config.reward
+    if not rc.model_path:
+      return {}
+    from jrl.rewards.model import RewardModel
+
+    model = RewardModel.load(rc.model_path, self.tokenizer, mesh=self.mesh)
+    return {'reward_model': model}
 
   def _setup_algorithm(self):
     """Subclasses build what their algorithm state needs (before the state)."""
