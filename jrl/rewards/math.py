@@ -29,7 +29,7 @@ from fractions import Fraction
 from jrl.rewards.base import register
 
 _NUMBER = re.compile(r'-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\.\d+')
-_UNIT_WORDS = re.compile(r'(?<=[\d.}%])\s*[a-zA-Z][a-zA-Z .²³/^-]*$')
+_UNIT_WORDS = re.compile(r'(?<=[\d.}%])\s+[a-zA-Z][a-zA-Z .²³/^-]*$')
 
 
 def _braced(text, start):
@@ -97,6 +97,7 @@ def normalize(answer):
   t = t.strip('$').strip()
   for command in ('text', 'textbf', 'mathrm', 'mathbf', 'boxed', 'mbox'):
     t = _unwrap(t, command)
+  t = t.replace('\\%', '%')
   for token in ('\\left', '\\right', '\\!', '\\,', '\\;', '\\:', '\\displaystyle', '\\$'):
     t = t.replace(token, '')
   t = t.replace('^\\circ', '').replace('^{\\circ}', '').replace('°', '')
