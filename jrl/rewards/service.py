@@ -127,11 +127,16 @@ class ProcessPool:
   def __init__(self, workers, modules):
     self._modules = tuple(modules)
     self._workers = [_Worker(self._modules) for _ in range(workers)]
+    self._lock = threading.Lock()  # calls from several threads take turns
     self.restarts = 0
 
   def run(self, tasks, timeout_s):
     """Runs tasks [(name, prompts, completions, metadata)]; returns per task
     ('ok', scores) | ('error', message) | ('timeout', message)."""
+    with self._lock:
+      return self._run(tasks, timeout_s)
+
+  def _run(self, tasks, timeout_s):
     results = [None] * len(tasks)
     pending = collections.deque(range(len(tasks)))
     while pending or any(w.task is not None for w in self._workers):

@@ -1,0 +1,62 @@
+"""Reward functions for the service tests, registered when this module is
+imported, so that worker processes find them too."""
+
+import os
+import time
+
+from jrl.rewards import register
+
+
+@register('test_const')
+def const(prompts, completions, metadata):
+  return [1.0] * len(completions)
+
+
+@register('test_length')
+def length(prompts, completions, metadata):
+  return [float(len(c)) for c in completions]
+
+
+@register('test_slow')
+def slow(prompts, completions, metadata):
+  time.sleep(max(m.get('sleep', 0.0) for m in metadata))
+  return [1.0] * len(completions)
+
+
+@register('test_raise')
+def raises(prompts, completions, metadata):
+  raise ZeroDivisionError('verifier bug')
+
+
+@register('test_crash')
+def crash(prompts, completions, metadata):
+  os._exit(3)
+
+
+@register('test_hang')
+def hang(prompts, completions, metadata):
+  while True:
+    pass
+
+
+@register('test_nan')
+def nan(prompts, completions, metadata):
+  return [float('nan')] + [1.0] * (len(completions) - 1)
+
+
+@register('test_wrong_length')
+def wrong_length(prompts, completions, metadata):
+  return [1.0]
+
+
+@register('test_flaky')
+def flaky(prompts, completions, metadata):
+  """Fails, hangs or sleeps depending on metadata['mode'] of the first item."""
+  mode = metadata[0].get('mode', 'ok')
+  if mode == 'raise':
+    raise RuntimeError('flaky failure')
+  if mode == 'hang':
+    time.sleep(60)
+  if mode == 'slow':
+    time.sleep(0.3)
+  return [float(m.get('value', 1.0)) for m in metadata]
