@@ -4,6 +4,7 @@
     python launch/bench.py model [--size cpu-20m|gpu-0.5b --batch 8 --seq 256]
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py grpo [--setup default|larger --steps 4]
+    python launch/bench.py rewards [--n 2000 --programs 40]
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -359,6 +360,53 @@ def bench_grpo(args):
   )
 
 
+def bench_rewards(args):
+  """Rewards per second of the math verifier and the code sandbox, and the
+  sandbox's fixed cost per call."""
+  import random
+
+  from jrl.rewards import RewardService, code, math_answer, sandbox
+
+  rng = random.Random(0)
+  forms = [
+    lambda v: f'So the total is \\boxed{{{v}}}.',
+    lambda v: f'She pays 3 + 4 = 7 dollars.\n#### {v:,}',
+    lambda v: f'The answer is {v} apples.',
+    lambda v: f'We get {v / 4} and then \\boxed{{\\frac{{{v}}}{{4}}}}',
+  ]
+  completions, metadata = [], []
+  for _ in range(args.n):
+    v = rng.randint(1, 100000)
+    completions.append(rng.choice(forms)(v))
+    metadata.append({'answer': str(v if rng.random() < 0.8 else v + 1)})
+  prompts = [''] * args.n
+  start = time.perf_counter()
+  math_answer(prompts, completions, metadata)
+  inline_s = time.perf_counter() - start
+  with RewardService(['math_answer'], mode='process', workers=2, chunk_size=256) as service:
+    service(prompts[:10], completions[:10], metadata[:10])  # workers up
+    start = time.perf_counter()
+    service(prompts, completions, metadata)
+    pool_s = time.perf_counter() - start
+  print(f'rewards: {args.n} math completions, sandbox {sandbox.capabilities()}')
+  print(f'  math_answer in-process:        {args.n / inline_s:9.0f} rewards/s')
+  print(f'  math_answer, 2 worker processes: {args.n / pool_s:7.0f} rewards/s')
+
+  limits = sandbox.Limits(wall_seconds=5, cpu_seconds=5)
+  start = time.perf_counter()
+  for _ in range(args.programs):
+    sandbox.run_program('pass', limits=limits)
+  per_call = (time.perf_counter() - start) / args.programs
+  program = 'a, b = map(int, input().split())\nprint(a + b)\n'
+  tests = [{'input': f'{i} {i + 1}', 'output': str(2 * i + 1)} for i in range(4)]
+  start = time.perf_counter()
+  for _ in range(args.programs // 4):
+    code.score_program(program, tests, limits=limits)
+  program_s = (time.perf_counter() - start) / (args.programs // 4)
+  print(f'  sandbox overhead per call (empty program): {1e3 * per_call:7.1f} ms')
+  print(f'  code reward, 4 tests per program:          {1 / program_s:7.1f} rewards/s')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='bench', required=True)
@@ -392,12 +440,16 @@ def main():
   p = sub.add_parser('grpo', help='seconds per stage of a GRPO step')
   p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
   p.add_argument('--steps', type=int, default=4)
+  p = sub.add_parser('rewards', help='math verifier and code sandbox throughput')
+  p.add_argument('--n', type=int, default=2000, help='math completions')
+  p.add_argument('--programs', type=int, default=40, help='sandbox calls')
   args = parser.parse_args()
   benches = {
     'logprobs': bench_logprobs,
     'model': bench_model,
     'sampler': bench_sampler,
     'grpo': bench_grpo,
+    'rewards': bench_rewards,
   }
   benches[args.bench](args)
 

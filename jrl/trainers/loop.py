@@ -514,7 +514,9 @@ class Trainer:
     m['reward/mean'] = float(rewards_np.mean())
     m['reward/std'] = float(rewards_np.std())
     for name, values in first_scored.per_fn.items():
-      m[f'reward/{name}/mean'] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+      scored_values = values[np.isfinite(values)]
+      m[f'reward/{name}/mean'] = float(scored_values.mean()) if scored_values.size else 0.0
+      m[f'reward/{name}/std'] = float(scored_values.std()) if scored_values.size else 0.0
       m[f'reward/{name}/unscored'] = float(first_scored.unscored[name])
       m[f'reward/{name}/failures'] = float(first_scored.failures[name])
       m[f'reward/{name}/timeouts'] = float(first_scored.timeouts[name])
@@ -531,6 +533,8 @@ class Trainer:
     m['time/reward'] = t_reward
     m['time/reference'] = t_ref
     m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    if self.uses_ref:
+      m['throughput/reference_tokens_per_s'] = float(batch.mask.sum()) / max(t_ref, 1e-9)
     return Rollout(
       batch=placed,
       old_logp=self._place(old_logp),
