@@ -142,7 +142,7 @@ def ppo_section():
   p.value_clip = 0.5  # clipped value loss range (0: off)
   p.critic_lr = 1e-4  # critic learning rate (other optimiser settings from `optim`)
   p.critic_path = ''  # initialise the critic from this HF checkpoint (e.g. a reward model)
-  p.adaptive_kl = True  # Ziegler et al. controller on rl.kl_coef
+  p.adaptive_kl = True  # Ziegler et al. controller on rl.kl_coef (KL in the reward only)
   p.kl_target = 0.05  # adaptive KL target (per token, nats)
   p.kl_horizon = 10000  # adaptive KL horizon (samples)
   return p

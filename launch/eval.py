@@ -32,8 +32,11 @@ def main(argv):
   step = _STEP.value if _STEP.value is not None else ckpt.latest_step()
   if step is None:
     raise SystemExit(f'no checkpoint in {ckpt.directory}')
-  trainer.state, _ = ckpt.restore(step, checkpoint.abstract_like(trainer.state))
-  result = {'checkpoint': step, **trainer.evaluate()}
+  try:
+    trainer.state, _ = ckpt.restore(step, checkpoint.abstract_like(trainer.state))
+    result = {'checkpoint': step, **trainer.evaluate()}
+  finally:
+    trainer.close()
   print(json.dumps(result))
 
 

@@ -183,6 +183,7 @@ class DPOTrainer(loop.Trainer):
       )
     else:
       ref = jnp.zeros(placed.tokens.shape[0], jnp.float32)
+    jax.block_until_ready(ref)
     t_ref = time.perf_counter() - start
     full = DPOBatch(placed.tokens, placed.mask, placed.loss_mask, ref)
     start = time.perf_counter()

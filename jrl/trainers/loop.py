@@ -257,19 +257,13 @@ class Trainer:
     self.model_config, self.graphdef, params, self.hf_config = build_model(
       config, self.tokenizer, self.mesh
     )
+    # Reward functions are looked up now (an unknown name fails here); worker
+    # processes start at the end of the set-up, once nothing else can fail.
     rc = config.reward
-    if rc.url:
-      self.scorer = RemoteRewardService(rc.url, timeout_s=rc.timeout_s)
-    else:
-      self.scorer = rewards.RewardService(
-        rc.functions,
-        rc.weights,
-        unscored_value=rc.unscored_value,
-        mode=rc.mode,
-        workers=rc.workers,
-        timeout_s=rc.timeout_s,
-        inline_fns=self._inline_reward_fns(),
-      )
+    if not rc.url:
+      for name in rc.functions:
+        if name != 'reward_model':
+          rewards.get_reward_fn(name)
     self.eval_scorer = rewards.RewardService((config.eval.reward,), mode='inline')
     self.stop_tokens = tuple(self.tokenizer.eos_ids)
     rl = config.rl
@@ -342,6 +336,26 @@ class Trainer:
     )
     self.iteration = 0
     self.total = config.sft.steps + rl.steps
+    self.scorer = self._make_scorer()
+
+  def _make_scorer(self):
+    rc = self.config.reward
+    if rc.url:
+      return RemoteRewardService(rc.url, timeout_s=rc.timeout_s)
+    return rewards.RewardService(
+      rc.functions,
+      rc.weights,
+      unscored_value=rc.unscored_value,
+      mode=rc.mode,
+      workers=rc.workers,
+      timeout_s=rc.timeout_s,
+      inline_fns=self._inline_reward_fns(),
+    )
+
+  def close(self):
+    """Stops the reward workers and finishes pending checkpoint writes."""
+    self.scorer.close()
+    self.checkpointer.wait()
 
   def _build_sampler(self):
     config, rl = self.config, self.config.rl
@@ -687,7 +701,7 @@ class Trainer:
         in_sft = self.iteration < config.sft.steps
         m = self.sft_iteration() if in_sft else self.rl_iteration()
         self.iteration += 1
-        if self.iteration == config.sft.steps and config.sft.steps:
+        if self.iteration == config.sft.steps and self.iteration < self.total:
           self._start_rl_phase()
         nonfinite = m.get('actor/nonfinite', m.get('sft/nonfinite', 0.0))
         self.nonfinite_run = self.nonfinite_run + 1 if nonfinite else 0

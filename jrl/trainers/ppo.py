@@ -125,9 +125,12 @@ class PPOTrainer(loop.Trainer):
       critic_optim.lr = ppo.critic_lr
     self.critic_tx, self.critic_schedule = make_optimizer(critic_optim)
     self._critic_key = jax.random.PRNGKey(loop._seed(config.seed, 'critic'))
+    # The adaptive controller drives the KL penalty in the reward (as in veRL);
+    # a KL term in the loss keeps the fixed `rl.kl_coef` it was compiled with.
+    adaptive = ppo.adaptive_kl and config.rl.kl_in == 'reward'
     self.kl_ctl = (
       L.adaptive_kl_controller(config.rl.kl_coef, ppo.kl_target, ppo.kl_horizon)
-      if ppo.adaptive_kl
+      if adaptive
       else L.fixed_kl_controller(config.rl.kl_coef)
     )
 
