@@ -1,5 +1,6 @@
 """jrl.rewards: reward functions, the registry, and the service that runs them."""
 
+from jrl.rewards import code
 from jrl.rewards.base import REGISTRY, ScoredBatch, get_reward_fn, register
 from jrl.rewards.format import (
   boxed_format,
