@@ -22,6 +22,13 @@ def base():
   c.mesh.fsdp = 1  # parameter-sharded data-parallel ways
   c.mesh.tensor = 1  # tensor-parallel ways
 
+  # Where the sampler runs relative to the trainer (see jrl/trainers/loop.py):
+  c.topology = ml_collections.ConfigDict()
+  c.topology.kind = 'colocated'  # 'colocated' | 'disaggregated' | 'one_step_off'
+  c.topology.rollout_devices = 0  # disaggregated: the last N devices sample, the rest train
+  c.topology.staleness = 1  # one_step_off: policy versions between generation and update (0|1)
+  c.topology.is_cap = 2.0  # one_step_off: truncation of the proximal/behaviour weight
+
   c.model = ml_collections.ConfigDict()
   c.model.path = ''  # Hugging Face checkpoint directory; '' builds a fresh model:
   c.model.width = 128  # D

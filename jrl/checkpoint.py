@@ -30,13 +30,16 @@ class Checkpointer:
   def latest_step(self):
     return self._manager.latest_step()
 
-  def save(self, step, state, meta, *, force=False):
-    """Starts saving; returns at once when asynchronous."""
-    self._manager.save(
-      int(step),
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-      force=force,
-    )
+  def save(self, step, state, meta, *, force=False, behaviour=None):
+    """Starts saving; returns at once when asynchronous.
+
+    `behaviour`: optional parameters of a rollout in flight (one-step-off),
+    saved beside the state so that a resumed run can regenerate it.
+    """
+    items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave(meta)}
+    if behaviour is not None:
+      items['behaviour'] = ocp.args.StandardSave(behaviour)
+    self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
 
   def restore(self, step, abstract_state):
     """(state, meta) of checkpoint `step`, laid out like `abstract_state`.
@@ -57,6 +60,19 @@ class Checkpointer:
     except Exception as e:
       raise ValueError(f'{path}: cannot restore checkpoint ({type(e).__name__}: {e}).') from e
     return restored['state'], restored['meta']
+
+  def restore_behaviour(self, step, abstract_params):
+    """The `behaviour` parameters saved with checkpoint `step`."""
+    path = os.path.join(self.directory, str(step))
+    try:
+      restored = self._manager.restore(
+        int(step), args=ocp.args.Composite(behaviour=ocp.args.StandardRestore(abstract_params))
+      )
+    except Exception as e:
+      raise ValueError(
+        f'{path}: cannot restore the in-flight rollout parameters ({type(e).__name__}: {e}).'
+      ) from e
+    return restored['behaviour']
 
   def wait(self):
     self._manager.wait_until_finished()

@@ -101,6 +101,18 @@ class MetricsWriter:
       self._tb.close()
 
 
+class NullWriter:
+  """The writer of processes other than 0: writes nothing."""
+
+  path = None
+
+  def write(self, step, metrics):
+    del step, metrics
+
+  def close(self):
+    pass
+
+
 def read_jsonl(path):
   with open(path, encoding='utf-8') as f:
     return [json.loads(line) for line in f if line.strip()]

@@ -4,7 +4,13 @@
 
 Parses flags and calls `jrl.trainers.loop.run`; nothing else lives here.
 Restarting the same command resumes from the latest checkpoint in
-`config.workdir`.
+`config.workdir`; SIGTERM (preemption) saves a checkpoint and exits 0.
+
+On several hosts every host runs the same command. Processes join through
+`jax.distributed`: automatically on Cloud TPU VMs and SLURM, or from
+`--coordinator_address/--num_processes/--process_id` (or the
+`JRL_COORDINATOR_ADDRESS`, `JRL_NUM_PROCESSES`, `JRL_PROCESS_ID` variables;
+`launch/local.py` sets them for N processes on one machine).
 """
 
 import os
@@ -17,12 +23,18 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config.', lock_config=True)
+_COORDINATOR = flags.DEFINE_string('coordinator_address', '', 'host:port of process 0.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0, 'Number of processes (0: from env).')
+_PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process (-1: from env).')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+  from jrl import distributed
+
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from jrl.trainers import loop
 
   loop.run(_CONFIG.value)

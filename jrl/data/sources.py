@@ -38,9 +38,18 @@ class PromptStream:
       self._get = ds.__getitem__
     self.position = 0
 
-  def next(self, n):
-    """The next `n` examples."""
-    out = [self._get(self.position + i) for i in range(n)]
+  def next(self, n, rows=None):
+    """The next `n` examples, or only rows [lo, hi) of them.
+
+    Args:
+      n: the global batch size (the stream advances by `n` either way).
+      rows: (lo, hi): this process's rows of the batch (data loading
+        sharded by process); None reads all `n`.
+    """
+    lo, hi = (0, n) if rows is None else rows
+    if not 0 <= lo <= hi <= n:
+      raise ValueError(f'`rows` {rows} must lie within [0, {n}].')
+    out = [self._get(self.position + i) for i in range(lo, hi)]
     self.position += n
     return out
 

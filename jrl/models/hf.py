@@ -32,9 +32,8 @@ import shutil
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
-from jrl import parallel
+from jrl import distributed, parallel
 from jrl.models import transformer
 from jrl.models.config import ModelConfig
 from jrl.models.safetensors_io import SafetensorsFile, save_file
@@ -257,7 +256,14 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
     source_dir: copy tokenizer and generation files from this directory.
     max_shard_bytes: split into `model-0000i-of-0000n.safetensors` with an
       index above this size.
+
+  On several processes every one must call `save` (tensors are gathered
+  collectively); process 0 writes the files.
   """
+  if jax.process_index() != 0:
+    for leaf in jax.tree.leaves(params):
+      distributed.fetch(leaf)
+    return
   os.makedirs(path, exist_ok=True)
   # Weights of an earlier save in this directory would shadow the new ones.
   for stale in glob.glob(os.path.join(path, '*.safetensors')) + [os.path.join(path, _INDEX)]:
@@ -279,7 +285,7 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
   shards, current, size = [], {}, 0
   for name, leaf, transposed in entries:
     # One tensor at a time on the host.
-    host = np.asarray(jax.device_get(leaf))
+    host = distributed.fetch(leaf)
     host = host.T if transposed else host
     if current and size + host.nbytes > max_shard_bytes:
       shards.append(current)
@@ -314,7 +320,7 @@ def to_host(params):
   out = {}
   for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
     name, transposed = hf_name(parallel.path_keys(key_path))
-    host = np.asarray(jax.device_get(leaf))
+    host = distributed.fetch(leaf)
     out[name] = host.T if transposed else host
   return out
 

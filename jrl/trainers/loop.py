@@ -15,10 +15,13 @@ positions are checkpointed, so a run resumed from a checkpoint produces the
 same parameters and metrics as one that never stopped.
 """
 
+import concurrent.futures
 import functools
 import hashlib
 import json
 import os
+import signal
+import threading
 import time
 from typing import NamedTuple
 
@@ -27,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import checkpoint as ckpt_lib
+from jrl import distributed, models, parallel, rewards, sampler
 from jrl import losses as L
 from jrl import metrics as metrics_lib
-from jrl import models, parallel, rewards, sampler
 from jrl.data import ArithmeticTask, PromptStream, read_jsonl, read_sft_jsonl
 from jrl.models import hf as hf_lib
 from jrl.models.tokenizer import load_tokenizer
@@ -39,12 +42,23 @@ from jrl.trainers import common, policy, sft
 from jrl.trainers.optim import make_optimizer
 
 GROUP_ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp_baseline')
+TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
 
 
 def _seed(*parts):
   """A 31-bit seed from any tuple of ints and strings (stable across runs)."""
   digest = hashlib.sha256(repr(parts).encode()).digest()
   return int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
+
+
+class Sampled(NamedTuple):
+  """A generated and scored batch on the host (before the reference model)."""
+
+  batch: common.SequenceBatch  # [B·G, L] NumPy
+  old_logp: np.ndarray  # [B·G, L] the sampler's logprobs on response tokens
+  rewards: np.ndarray  # [B·G] float32 total reward (overlong penalty included)
+  version: int  # the iteration whose parameters generated it
+  metrics: dict
 
 
 class Rollout(NamedTuple):
@@ -55,10 +69,12 @@ class Rollout(NamedTuple):
   ref_logp: jax.Array  # [B·G, L] reference logprobs (zeros without a reference)
   rewards: np.ndarray  # [B·G] float32 total reward (overlong penalty included)
   metrics: dict
+  num_tokens: int = 0  # real tokens in the batch
+  version: int = 0  # the iteration whose parameters generated it
 
 
 def _advantage_metrics(adv, loss_mask):
-  values = np.asarray(jax.device_get(adv))[np.asarray(jax.device_get(loss_mask))]
+  values = distributed.fetch(adv)[distributed.fetch(loss_mask)]
   return {
     'advantages/mean': float(values.mean()),
     'advantages/std': float(values.std()),
@@ -120,6 +136,30 @@ def validate(config, batch_shards):
   need(config.checkpoint.every >= 1, 'checkpoint.every', 'must be >= 1.')
   need(config.max_nonfinite_steps >= 1, 'max_nonfinite_steps', 'must be >= 1.')
   need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
+  tc = config.topology
+  need(tc.kind in TOPOLOGIES, 'topology.kind', f'must be one of {TOPOLOGIES}.')
+  need(
+    tc.kind != 'disaggregated' or tc.rollout_devices >= 1,
+    'topology.rollout_devices',
+    'must be >= 1 for a disaggregated topology.',
+  )
+  need(
+    tc.kind != 'disaggregated' or tc.rollout_devices < jax.device_count(),
+    'topology.rollout_devices',
+    f'must leave devices for training (there are {jax.device_count()}).',
+  )
+  need(tc.staleness in (0, 1), 'topology.staleness', 'must be 0 or 1.')
+  need(tc.is_cap >= 1.0, 'topology.is_cap', 'must be >= 1.')
+  need(
+    tc.kind != 'one_step_off' or config.algorithm == 'grpo',
+    'topology.kind',
+    "one_step_off runs the GRPO family (algorithm 'grpo') only.",
+  )
+  need(
+    rl.prompts_per_step % jax.process_count() == 0,
+    'rl.prompts_per_step',
+    f'must be divisible by the number of processes ({jax.process_count()}).',
+  )
 
 
 # Set-up ------------------------------------------------------------------------
@@ -234,10 +274,19 @@ class Trainer:
 
   def __init__(self, config):
     self.config = config
-    mc = config.mesh
-    self.mesh = parallel.make_mesh(mc.data, mc.fsdp, mc.tensor)
+    mc, tc = config.mesh, config.topology
+    # Disaggregated: the last `rollout_devices` devices sample, the others train.
+    devices = jax.devices()
+    rollout_devices = None
+    if tc.kind == 'disaggregated' and 0 < tc.rollout_devices < len(devices):
+      devices, rollout_devices = devices[: -tc.rollout_devices], devices[-tc.rollout_devices :]
+    self.mesh = parallel.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
     batch_shards = self.mesh.shape['data'] * self.mesh.shape['fsdp']
     validate(config, batch_shards)
+    self.rollout_mesh = self.mesh
+    if rollout_devices is not None:
+      self.rollout_mesh = parallel.make_mesh(-1, 1, 1, devices=rollout_devices)
+    self.staleness = tc.staleness if tc.kind == 'one_step_off' else 0
     self.workdir = os.path.abspath(config.workdir)
     os.makedirs(self.workdir, exist_ok=True)
 
@@ -257,6 +306,14 @@ class Trainer:
     self.model_config, self.graphdef, params, self.hf_config = build_model(
       config, self.tokenizer, self.mesh
     )
+    self.rollout_shardings = None
+    if self.rollout_mesh is not self.mesh:
+      self.rollout_shardings = parallel.param_shardings(
+        self.rollout_mesh,
+        params,
+        models.transformer.param_logical_axes,
+        units=models.transformer.head_units(self.model_config),
+      )
     # Reward functions are looked up now (an unknown name fails here); worker
     # processes start at the end of the set-up, once nothing else can fail.
     rc = config.reward
@@ -294,6 +351,27 @@ class Trainer:
 
     batch_sharding = parallel.batch_sharding(self.mesh)
     self.batch_sharding = batch_sharding
+    # Data loading sharded by process: each reads only the rows its devices hold.
+    g = rl.group_size
+    lo, hi = distributed.local_rows(batch_sharding, rl.prompts_per_step * g)
+    if lo % g or hi % g:
+      raise ValueError(
+        f'`rl.group_size`: process {jax.process_index()} holds rollout rows [{lo}, {hi}), '
+        f'which split groups of {g}; make prompts_per_step x group_size / processes a '
+        'multiple of group_size.'
+      )
+    self.prompt_rows = (lo // g, hi // g)
+    self.sft_rows = distributed.local_rows(batch_sharding, config.sft.batch_size)
+    self.is_main = distributed.is_main()
+    # One-step-off: the rollout being generated in the background, the
+    # parameters it reads, and the stream positions from before it drew.
+    self.pending = None
+    self.pending_params = None
+    self.pending_streams = None
+    self.sampler_lock = threading.Lock()
+    self.executor = None
+    if tc.kind == 'one_step_off':
+      self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='rollout')
     self._rl_step = jax.jit(
       functools.partial(
         policy.train_step,
@@ -354,8 +432,30 @@ class Trainer:
 
   def close(self):
     """Stops the reward workers and finishes pending checkpoint writes."""
+    self._drain()
     self.scorer.close()
     self.checkpointer.wait()
+
+  def _drain(self):
+    """Waits for a background rollout (its result is regenerated on resume)."""
+    if self.pending is not None:
+      concurrent.futures.wait([self.pending])
+    if self.executor is not None:
+      self.executor.shutdown(wait=True)
+
+  def rollout_params(self):
+    """The parameters the sampler reads for the current policy version.
+
+    Colocated: the trainer's own arrays (no copy). Disaggregated: one
+    device-to-device reshard onto the rollout devices. One-step-off: a copy,
+    since the update donates the trainer's buffers while generation runs.
+    """
+    params = self.state.params
+    if self.rollout_shardings is not None:
+      return jax.device_put(params, self.rollout_shardings)
+    if self.staleness:
+      return jax.tree.map(jnp.copy, params)
+    return params
 
   def _build_sampler(self):
     config, rl = self.config, self.config.rl
@@ -378,21 +478,29 @@ class Trainer:
       self.model_config,
       self.engine_config,
       steps_per_dispatch=sc.steps_per_dispatch,
-      mesh=self.mesh,
+      mesh=self.rollout_mesh,
     )
 
   # Checkpoints -----------------------------------------------------------------
 
   def _meta(self):
+    streams = {name: stream.state() for name, stream in self.streams.items()}
+    if self.pending_streams is not None:
+      streams = self.pending_streams
     return {
       'iteration': self.iteration,
-      'streams': {name: stream.state() for name, stream in self.streams.items()},
+      'streams': streams,
       'nonfinite_run': self.nonfinite_run,
+      'pending_rollout': self.pending_params is not None,
       'config': json.loads(self.config.to_json_best_effort()),
     }
 
   def save(self, force=False):
-    self.checkpointer.save(self.iteration, self.state, self._meta(), force=force)
+    # One-step-off: the rollout in flight is not saved; the parameters it reads
+    # are, so that a resumed run regenerates exactly the same rollout.
+    self.checkpointer.save(
+      self.iteration, self.state, self._meta(), force=force, behaviour=self.pending_params
+    )
 
   def maybe_restore(self):
     latest = self.checkpointer.latest_step()
@@ -404,17 +512,32 @@ class Trainer:
     for name, stream in self.streams.items():
       stream.restore(meta['streams'][name])
     self.nonfinite_run = int(meta.get('nonfinite_run', 0))
-    print(f'resumed from {self.checkpointer.directory}/{latest} (iteration {self.iteration})')
+    if meta.get('pending_rollout') and self.staleness:
+      behaviour = ckpt_lib.abstract_like(self.state.params)
+      if self.rollout_shardings is not None:
+        behaviour = jax.tree.map(
+          lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+          behaviour,
+          self.rollout_shardings,
+        )
+      self.pending_params = self.checkpointer.restore_behaviour(latest, behaviour)
+    if self.is_main:
+      print(f'resumed from {self.checkpointer.directory}/{latest} (iteration {self.iteration})')
     return self.iteration
 
   # Steps -------------------------------------------------------------------------
 
   def _place(self, batch):
-    return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), self.batch_sharding), batch)
+    """Host arrays that every process holds whole -> batch-sharded global arrays."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), self.batch_sharding), batch)
+
+  def _place_rows(self, batch, num_rows):
+    """This process's rows of a batch -> global arrays of `num_rows` rows."""
+    return jax.tree.map(lambda x: distributed.put_rows(x, self.batch_sharding, num_rows), batch)
 
   def sft_iteration(self):
     config = self.config
-    examples = self.sft_stream.next(config.sft.batch_size)
+    examples = self.sft_stream.next(config.sft.batch_size, self.sft_rows)
     eos = self.stop_tokens[:1]
     prompts = [self.encoder.prompt_ids(ex['prompt']) for ex in examples]
     responses = [
@@ -423,30 +546,45 @@ class Trainer:
     ]
     batch = common.pack_sequences(prompts, responses, self.seq_len, self.tokenizer.pad_id)
     start = time.perf_counter()
-    self.state, m = self._sft_step(self.state, self._place(batch))
+    self.state, m = self._sft_step(self.state, self._place_rows(batch, config.sft.batch_size))
     m = jax.device_get(m)
     m['time/update'] = time.perf_counter() - start
     m['phase'] = 0.0
     return m
 
-  def _generate(self, examples, draw):
+  def _gather_prompts(self, ids_local):
+    """Every process's prompt token lists, in global order."""
+    if jax.process_count() == 1:
+      return ids_local
+    width = self.config.rl.max_prompt_len
+    padded = np.zeros((len(ids_local), width + 1), np.int32)
+    for row, ids in enumerate(ids_local):
+      if len(ids) > width:
+        raise ValueError(f'a prompt of {len(ids)} tokens exceeds `rl.max_prompt_len`={width}.')
+      padded[row, 0] = len(ids)
+      padded[row, 1 : 1 + len(ids)] = ids
+    return [list(r[1 : 1 + r[0]]) for r in distributed.gather_rows(padded)]
+
+  def _generate(self, prompt_ids, draw, params, iteration):
     rl = self.config.rl
     requests = [
       sampler.Request(
-        prompt=self.encoder.prompt_ids(ex['prompt']),
+        prompt=ids,
         max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature,
         top_k=rl.top_k,
         top_p=rl.top_p,
         stop_tokens=self.stop_tokens,
-        seed=_seed(self.config.seed, self.iteration, draw, i),
+        seed=_seed(self.config.seed, iteration, draw, i),
       )
-      for i, ex in enumerate(examples)
+      for i, ids in enumerate(prompt_ids)
     ]
-    groups = self.sampler.generate(self.state.params, requests, group_size=rl.group_size)
+    with self.sampler_lock:
+      groups = self.sampler.generate(params, requests, group_size=rl.group_size)
     return requests, groups
 
   def _score(self, examples, groups):
+    """Scores this process's groups; returns the batch's ScoredBatch (all processes)."""
     g = self.config.rl.group_size
     texts = [
       self.tokenizer.decode(
@@ -457,14 +595,39 @@ class Trainer:
     ]
     prompts = [self.encoder.prompt_text(ex['prompt']) for ex in examples for _ in range(g)]
     meta = [ex for ex in examples for _ in range(g)]
-    return self.scorer(prompts, texts, meta)
+    scored = self.scorer(prompts, texts, meta)
+    if jax.process_count() == 1:
+      return scored
+    names = sorted(scored.per_fn)
+    counts = np.asarray(
+      [[scored.unscored[n], scored.failures[n], scored.timeouts[n]] for n in names], np.int64
+    )
+    counts = distributed.gather_rows(counts[None]).sum(axis=0)
+    return rewards.ScoredBatch(
+      total=distributed.gather_rows(scored.total),
+      per_fn={n: distributed.gather_rows(scored.per_fn[n]) for n in names},
+      unscored={n: int(c[0]) for n, c in zip(names, counts, strict=True)},
+      failures={n: int(c[1]) for n, c in zip(names, counts, strict=True)},
+      timeouts={n: int(c[2]) for n, c in zip(names, counts, strict=True)},
+      errors=scored.errors,
+    )
 
   def _overlong_penalty(self, lengths):
     rl = self.config.rl
     return overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
 
   def collect_rollout(self):
-    """Generates and scores one batch of groups; returns a Rollout.
+    """Generates and scores one batch of groups with the current policy."""
+    return self._with_reference(self.sample(self.rollout_params(), self.iteration))
+
+  def sample(self, params, iteration, version=None):
+    """Generates and scores one batch of groups; returns a Sampled (host arrays).
+
+    `iteration` seeds the sampling (the iteration that will train on it);
+    `version` is the iteration whose parameters `params` are (default: the same).
+
+    Touches only the sampler, the RL stream and the reward service, so it may
+    run in a background thread while the trainer updates (one-step-off).
 
     DAPO's dynamic sampling drops groups whose rewards are all equal (no
     signal) and draws more prompts until `prompts_per_step` groups are kept;
@@ -472,19 +635,21 @@ class Trainer:
     """
     rl = self.config.rl
     g, b = rl.group_size, rl.prompts_per_step
+    plo, phi = self.prompt_rows
     m = {}
     kept, dropped = [], []
     t_gen = t_reward = 0.0
     zero_var_groups = drawn_groups = gen_tokens = 0
     first_scored = None
     for draw in range(1 + (rl.dynamic_sampling_max_draws if rl.dynamic_sampling else 0)):
-      examples = self.rl_stream.next(b)
+      examples = self.rl_stream.next(b, self.prompt_rows)
+      prompt_ids = self._gather_prompts([self.encoder.prompt_ids(ex['prompt']) for ex in examples])
       start = time.perf_counter()
-      requests, groups = self._generate(examples, draw)
+      requests, groups = self._generate(prompt_ids, draw, params, iteration)
       t_gen += time.perf_counter() - start
       gen_tokens += sum(len(c.tokens) for grp in groups for c in grp)
       start = time.perf_counter()
-      scored = self._score(examples, groups)
+      scored = self._score(examples, groups[plo:phi])
       first_scored = first_scored or scored
       lengths = [len(c.tokens) for grp in groups for c in grp]
       total = (scored.total - self._overlong_penalty(lengths)).reshape(b, g)
@@ -516,15 +681,6 @@ class Trainer:
       old_logp[row, start : start + len(c.tokens)] = c.logprobs
     lengths = np.asarray([len(c.tokens) for c in completions])
 
-    # Reference logprobs (skipped when the KL coefficient is 0).
-    start = time.perf_counter()
-    placed = self._place(batch)
-    ref_logp = jnp.zeros(batch.tokens.shape, jnp.float32)
-    if self.uses_ref:
-      ref_logp = self._minibatched_logprobs(self.state.extra['ref_params'], placed)
-      jax.block_until_ready(ref_logp)
-    t_ref = time.perf_counter() - start
-
     m['reward/mean'] = float(rewards_np.mean())
     m['reward/std'] = float(rewards_np.std())
     for name, values in first_scored.per_fn.items():
@@ -545,16 +701,32 @@ class Trainer:
     m['groups/drawn'] = float(drawn_groups)
     m['time/generate'] = t_gen
     m['time/reward'] = t_reward
-    m['time/reference'] = t_ref
     m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    return Sampled(batch, old_logp, rewards_np, iteration if version is None else version, m)
+
+  def _with_reference(self, sampled):
+    """Places a Sampled batch on the mesh and adds reference logprobs
+    (skipped when the KL coefficient is 0)."""
+    m = dict(sampled.metrics)
+    start = time.perf_counter()
+    placed = self._place(sampled.batch)
+    ref_logp = jnp.zeros(sampled.batch.tokens.shape, jnp.float32)
     if self.uses_ref:
-      m['throughput/reference_tokens_per_s'] = float(batch.mask.sum()) / max(t_ref, 1e-9)
+      ref_logp = self._minibatched_logprobs(self.state.extra['ref_params'], placed)
+      jax.block_until_ready(ref_logp)
+    t_ref = time.perf_counter() - start
+    m['time/reference'] = t_ref
+    num_tokens = int(np.asarray(sampled.batch.mask).sum())
+    if self.uses_ref:
+      m['throughput/reference_tokens_per_s'] = num_tokens / max(t_ref, 1e-9)
     return Rollout(
       batch=placed,
-      old_logp=self._place(old_logp),
+      old_logp=self._place(sampled.old_logp),
       ref_logp=ref_logp,
-      rewards=rewards_np,
+      rewards=sampled.rewards,
       metrics=m,
+      num_tokens=num_tokens,
+      version=sampled.version,
     )
 
   def run_minibatches(self, step_fn, full):
@@ -587,32 +759,86 @@ class Trainer:
         m[k] = float(np.max([u[k] for u in results]))
     return m, time.perf_counter() - start
 
+  def _next_rollout(self):
+    """The rollout this iteration trains on.
+
+    Synchronous topologies generate it now with the current parameters.
+    One-step-off (staleness 1) takes the one started during the previous
+    iteration (generated by the parameters before that update) and starts
+    the next one in the background, so that generation overlaps this update.
+    """
+    it = self.iteration
+    t_wait = time.perf_counter()
+    t_reshard = 0.0
+    if self.pending is None:
+      if self.pending_params is not None:  # resumed with a rollout in flight: regenerate it
+        params, version = self.pending_params, it - 1
+      else:
+        start = time.perf_counter()
+        params, version = self.rollout_params(), it
+        t_reshard = time.perf_counter() - start
+      if self.executor is not None:
+        self.pending = self.executor.submit(self.sample, params, it, version)
+      else:
+        sampled = self.sample(params, it, version)
+    if self.pending is not None:
+      sampled = self.pending.result()
+    t_wait = time.perf_counter() - t_wait
+    self.pending = self.pending_params = self.pending_streams = None
+    if self.staleness and it + 1 < self.total:
+      self.pending_streams = {name: s.state() for name, s in self.streams.items()}
+      self.pending_params = self.rollout_params()
+      self.pending = self.executor.submit(self.sample, self.pending_params, it + 1, it)
+    ro = self._with_reference(sampled)
+    ro.metrics['time/reshard'] = t_reshard
+    ro.metrics['time/rollout_wait'] = t_wait
+    ro.metrics['rollout/staleness'] = float(it - ro.version)
+    return ro
+
   def rl_iteration(self):
     """One GRPO-family step: rollout, advantages, updates."""
     rl = self.config.rl
     t_step = time.perf_counter()
-    ro = self.collect_rollout()
+    ro = self._next_rollout()
     m = dict(ro.metrics)
     kl_reward = None
     if self.adv_cfg.kl_coef_in_reward:
       kl_reward = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator='k1', mask=ro.batch.loss_mask)
     adv = self._advantages(jnp.asarray(ro.rewards), ro.batch.loss_mask, kl_BxL=kl_reward)
+    old_logp, is_weights = ro.old_logp, None
+    if self.staleness:
+      # Decoupled PPO: clip against the current (proximal) policy and weight by
+      # the truncated ratio proximal / behaviour for the policy lag.
+      is_weights = jnp.ones_like(ro.old_logp)
+      if ro.version != self.iteration:
+        old_logp = self._minibatched_logprobs(self.state.params, ro.batch)
+        is_weights, is_metrics = L.importance_weights(
+          old_logp,
+          ro.old_logp,
+          ro.batch.loss_mask,
+          level='token',
+          mode='truncate',
+          high=self.config.topology.is_cap,
+        )
+        m.update({f'rollout/{k}': float(v) for k, v in is_metrics.items()})
+        m['rollout/behaviour_logp_diff_abs'] = float(
+          L.token_mean(jnp.abs(old_logp - ro.old_logp), ro.batch.loss_mask)
+        )
     full = policy.PolicyBatch(
       tokens=ro.batch.tokens,
       mask=ro.batch.mask,
       loss_mask=ro.batch.loss_mask,
-      old_logp=ro.old_logp,
+      old_logp=old_logp,
       ref_logp=ro.ref_logp,
       advantages=adv,
+      is_weights=is_weights,
     )
     um, t_update = self.run_minibatches(self._rl_step, full)
     m.update(um)
     m.update(_advantage_metrics(adv, ro.batch.loss_mask))
     m['time/update'] = t_update
     m['time/step'] = time.perf_counter() - t_step
-    m['throughput/update_tokens_per_s'] = (
-      rl.epochs * float(np.asarray(ro.batch.mask).sum()) / max(t_update, 1e-9)
-    )
+    m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
     m['phase'] = 1.0
     return m
 
@@ -670,7 +896,9 @@ class Trainer:
       )
       for ex in examples
     ]
-    groups = self.sampler.generate(self.state.params, requests, group_size=1)
+    params = self.rollout_params()
+    with self.sampler_lock:
+      groups = self.sampler.generate(params, requests, group_size=1)
     texts = [
       self.tokenizer.decode(
         [t for t in grp[0].tokens if t not in self.stop_tokens], skip_special_tokens=True
@@ -683,17 +911,31 @@ class Trainer:
 
   # The loop ----------------------------------------------------------------------
 
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self.stop_requested = True
+
   def run(self):
+    """Runs to `total` iterations, or until SIGTERM: then the processes agree
+    on an iteration, save a checkpoint there and return (`self.preempted`)."""
     config = self.config
     self.nonfinite_run = 0
+    self.stop_requested = self.preempted = False
     start_it = self.maybe_restore()
-    writer = metrics_lib.MetricsWriter(
-      self.workdir,
-      self.total,
-      resume_step=start_it,
-      tensorboard=config.log.tensorboard,
-      log_every=config.log.every,
+    writer = (
+      metrics_lib.MetricsWriter(
+        self.workdir,
+        self.total,
+        resume_step=start_it,
+        tensorboard=config.log.tensorboard,
+        log_every=config.log.every,
+      )
+      if self.is_main
+      else metrics_lib.NullWriter()
     )
+    previous_handler = None
+    if threading.current_thread() is threading.main_thread():
+      previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
     if start_it == 0 and config.eval.every:
       writer.write(0, {**self.evaluate(), 'phase': 0.0})
     try:
@@ -719,14 +961,29 @@ class Trainer:
             f'had a non-finite loss or gradient (updates were skipped). The last checkpoint, '
             f'{last}, in {self.checkpointer.directory} is intact.'
           )
+        if distributed.any_process(self.stop_requested) and self.iteration < self.total:
+          self.save(force=True)
+          self.preempted = True
+          if self.is_main:
+            print(
+              f'SIGTERM: saved iteration {self.iteration} to {self.checkpointer.directory}; '
+              'run the same command to resume.',
+              flush=True,
+            )
+          break
         if self.iteration % config.checkpoint.every == 0 or self.iteration == self.total:
           self.save()
     finally:
+      if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
       self.checkpointer.wait()
       writer.close()
+      self._drain()
       self.scorer.close()
     self.checkpointer.close()
-    if config.log.plot:
+    if self.preempted:
+      return self.state
+    if config.log.plot and self.is_main:
       metrics_lib.plot_curves(writer.path, os.path.join(self.workdir, 'curves.png'))
     if config.export_hf:
       self.export(os.path.join(self.workdir, 'hf_export'))

@@ -28,6 +28,9 @@ class PolicyBatch(NamedTuple):
   old_logp: jax.Array  # [B, L] float32 behaviour logprobs (0 off the response)
   ref_logp: jax.Array  # [B, L] float32 reference logprobs (0 when unused)
   advantages: jax.Array  # [B, L] float32
+  # [B, L] float32 importance weights for a stale behaviour policy (one-step-off);
+  # None: on-policy.
+  is_weights: jax.Array | None = None
 
 
 class PolicyLossConfig(NamedTuple):
@@ -85,6 +88,9 @@ def policy_loss(params, graphdef, batch, cfg):
     )
   else:
     pg, metrics = L.cispo_loss(logp, batch.old_logp, batch.advantages, m, eps_high=cfg.eps_high)
+  is_weights = getattr(batch, 'is_weights', None)
+  if is_weights is not None:
+    pg = pg * is_weights
   total = pg
   kl = jnp.zeros_like(pg)
   if cfg.kl_coef:

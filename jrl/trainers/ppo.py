@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jrl import losses as L
@@ -204,9 +203,7 @@ class PPOTrainer(loop.Trainer):
     m['critic/returns_mean'] = float(L.token_mean(returns, mask))
     m['time/update'] = t_update
     m['time/step'] = time.perf_counter() - t_step
-    m['throughput/update_tokens_per_s'] = (
-      rl.epochs * float(np.asarray(ro.batch.mask).sum()) / max(t_update, 1e-9)
-    )
+    m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
     m['phase'] = 1.0
     return m
 

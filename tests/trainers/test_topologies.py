@@ -1,0 +1,133 @@
+"""Rollout topologies (`config.topology`): colocated, disaggregated, one-step-off.
+
+All runs are the shrunken default job of test_grpo_loop (8 fake CPU devices,
+in process), with the overlong penalty so that rewards vary with length and
+RL updates are not zero.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jrl.metrics import read_jsonl
+from jrl.trainers import loop
+from tests.trainers.test_grpo_loop import QUIET, assert_trees_equal, shrunk_config
+
+BASE = {**QUIET, 'rl.overlong_buffer': 4, 'rl.steps': 4, 'reward.mode': 'inline'}
+ONE_STEP_OFF = {'topology.kind': 'one_step_off', 'topology.staleness': 1}
+STAMP_KEYS = ('time/', 'throughput/', 'rollout/')
+
+
+def run(workdir, overrides=None):
+  state = loop.run(shrunk_config(workdir, {**BASE, **(overrides or {})}))
+  return jax.tree.map(np.asarray, state.params), read_jsonl(f'{workdir}/metrics.jsonl')
+
+
+def history(records):
+  """Metrics without timings and topology-specific entries, by step."""
+  return {r['step']: {k: v for k, v in r.items() if not k.startswith(STAMP_KEYS)} for r in records}
+
+
+@pytest.fixture(scope='module')
+def colocated(tmp_path_factory):
+  return run(str(tmp_path_factory.mktemp('colocated')))
+
+
+@pytest.fixture(scope='module')
+def one_step_off(tmp_path_factory):
+  return run(str(tmp_path_factory.mktemp('one_step_off')), ONE_STEP_OFF)
+
+
+def test_async_path_with_staleness_0_equals_the_synchronous_run(colocated, tmp_path):
+  params, records = run(str(tmp_path), {**ONE_STEP_OFF, 'topology.staleness': 0})
+  assert_trees_equal(params, colocated[0])
+  assert history(records) == history(colocated[1])
+  assert all(r.get('rollout/staleness', 0) == 0 for r in records)
+
+
+def test_one_step_off_trains_on_rollouts_one_version_old(colocated, one_step_off):
+  params, records = one_step_off
+  rl = [r for r in records if r.get('phase') == 1.0]
+  assert [r['rollout/staleness'] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+  # Stale rollouts are clipped against the current policy and importance weighted.
+  for r in rl[1:]:
+    assert 'rollout/is_weight_mean' in r and 'rollout/behaviour_logp_diff_abs' in r
+  assert 'rollout/is_weight_mean' not in rl[0]
+  # The first RL step is on-policy, so it matches the synchronous run; later ones do not.
+  sync = {r['step']: r for r in colocated[1]}
+  first = rl[0]['step']
+  assert rl[0]['actor/pg_loss'] == sync[first]['actor/pg_loss']
+  assert any(
+    not np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(colocated[0]), strict=True)
+  )
+  assert any(r['actor/grad_norm'] > 0 for r in rl[1:])
+
+
+def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp_path, monkeypatch):
+  """Preempted after RL iteration 1 (the rollout for iteration 2 is in flight),
+  then restarted: the run ends as the uninterrupted one does."""
+  workdir = str(tmp_path)
+  original = loop.Trainer.rl_iteration
+
+  def preempt_after_first(self):
+    m = original(self)
+    if self.iteration == shrunk_config(workdir)['sft']['steps']:  # the first RL iteration
+      self._on_sigterm(None, None)
+    return m
+
+  monkeypatch.setattr(loop.Trainer, 'rl_iteration', preempt_after_first)
+  trainer = loop.make_trainer(shrunk_config(workdir, {**BASE, **ONE_STEP_OFF}))
+  trainer.run()
+  assert trainer.preempted
+  stopped_at = trainer.iteration
+  assert trainer.checkpointer.latest_step() == stopped_at
+  monkeypatch.setattr(loop.Trainer, 'rl_iteration', original)
+
+  params, records = run(workdir, ONE_STEP_OFF)
+  assert_trees_equal(params, one_step_off[0])
+  assert history(records) == history(one_step_off[1])
+  resumed = [r for r in records if r['step'] == stopped_at + 1]
+  assert resumed[-1]['rollout/staleness'] == 1.0
+
+
+def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
+  config = shrunk_config(
+    str(tmp_path), {**BASE, 'topology.kind': 'disaggregated', 'topology.rollout_devices': 4}
+  )
+  trainer = loop.make_trainer(config)
+  train_devices = set(trainer.mesh.devices.flat)
+  rollout_devices = set(trainer.rollout_mesh.devices.flat)
+  assert len(train_devices) == len(rollout_devices) == 4
+  assert not train_devices & rollout_devices
+  placed = trainer.rollout_params()
+  assert all(set(x.sharding.device_set) == rollout_devices for x in jax.tree.leaves(placed))
+  state = trainer.run()
+  records = read_jsonl(f'{tmp_path}/metrics.jsonl')
+  assert all('time/reshard' in r for r in records if r.get('phase') == 1.0)
+  # Same sampled tokens and rewards as colocated; parameters equal up to the
+  # summation order of a 4-device instead of an 8-device mesh.
+  sync = {r['step']: r for r in colocated[1]}
+  for r in records:
+    for key in ('reward/mean', 'response_length/mean'):
+      if key in r:
+        assert r[key] == sync[r['step']][key], (r['step'], key)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(colocated[0]), strict=True):
+    np.testing.assert_allclose(np.asarray(a), b, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  'overrides, field',
+  [
+    ({'topology.kind': 'ring'}, 'topology.kind'),
+    ({'topology.kind': 'disaggregated'}, 'topology.rollout_devices'),
+    ({'topology.kind': 'disaggregated', 'topology.rollout_devices': 8}, 'topology.rollout_devices'),
+    ({'topology.kind': 'one_step_off', 'topology.staleness': 2}, 'topology.staleness'),
+    ({'topology.kind': 'one_step_off', 'topology.is_cap': 0.5}, 'topology.is_cap'),
+    ({'topology.kind': 'one_step_off', 'algorithm': 'ppo'}, 'topology.kind'),
+  ],
+)
+def test_bad_topology_names_the_field(tmp_path, overrides, field):
+  config = shrunk_config(str(tmp_path), overrides)
+  with pytest.raises(ValueError, match=f'`{field}`'):
+    loop.validate(config, batch_shards=1)
