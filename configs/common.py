@@ -25,7 +25,7 @@ def base():
   # Where the sampler runs relative to the trainer (see jrl/trainers/loop.py):
   c.topology = ml_collections.ConfigDict()
   c.topology.kind = 'colocated'  # 'colocated' | 'disaggregated' | 'one_step_off'
-  c.topology.rollout_devices = 0  # disaggregated: the last N devices sample, the rest train
+  c.topology.rollout_devices = 0  # disaggregated / one_step_off: the last N devices sample
   c.topology.staleness = 1  # one_step_off: policy versions between generation and update (0|1)
   c.topology.is_cap = 2.0  # one_step_off: truncation of the proximal/behaviour weight
 

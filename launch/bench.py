@@ -4,6 +4,7 @@
     python launch/bench.py model [--size cpu-20m|gpu-0.5b --batch 8 --seq 256]
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py grpo [--setup default|larger --steps 4]
+    python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py rewards [--n 2000 --programs 40]
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
@@ -360,6 +361,54 @@ def bench_grpo(args):
   )
 
 
+def bench_topology(args):
+  """Step time of colocated vs one-step-off GRPO (configs/grpo_arith.py RL phase)."""
+  import os
+  import sys
+  import tempfile
+
+  from absl import logging
+
+  logging.set_verbosity(logging.WARNING)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import grpo_arith
+  from jrl.trainers import loop
+
+  def trainer_for(kind):
+    config = grpo_arith.get_config()
+    config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
+    config.sft.steps = 0
+    config.rl.steps = args.steps
+    config.eval.every = 0
+    config.topology.kind = kind
+    for section, fields in GRPO_SETUPS[args.setup].items():
+      for k, v in fields.items():
+        config[section][k] = v
+    return loop.make_trainer(config)
+
+  print(f'topology ({args.setup} setup, {args.steps} steps each, medians after the first 2)')
+  results = {}
+  for kind in ('colocated', 'one_step_off'):
+    trainer = trainer_for(kind)
+    records = []
+    start = time.perf_counter()
+    for _ in range(args.steps):
+      records.append(trainer.rl_iteration())
+      trainer.iteration += 1
+    total = time.perf_counter() - start
+    trainer.close()
+    steady = records[2:] or records
+    med = lambda k, steady=steady: statistics.median(r.get(k, 0.0) for r in steady)
+    results[kind] = med('time/step')
+    print(
+      f'  {kind:13s} step {med("time/step"):.3f} s  (generate {med("time/generate"):.3f} s, '
+      f'update {med("time/update"):.3f} s, waiting for the rollout '
+      f'{med("time/rollout_wait"):.3f} s; {total:.1f} s for all steps)'
+    )
+  ratio = results['one_step_off'] / results['colocated']
+  print(f'  step time one-step-off / colocated: x{ratio:.2f}')
+
+
 def bench_rewards(args):
   """Rewards per second of the math verifier and the code sandbox, and the
   sandbox's fixed cost per call."""
@@ -440,6 +489,9 @@ def main():
   p = sub.add_parser('grpo', help='seconds per stage of a GRPO step')
   p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
   p.add_argument('--steps', type=int, default=4)
+  p = sub.add_parser('topology', help='colocated vs one-step-off step time')
+  p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
+  p.add_argument('--steps', type=int, default=10)
   p = sub.add_parser('rewards', help='math verifier and code sandbox throughput')
   p.add_argument('--n', type=int, default=2000, help='math completions')
   p.add_argument('--programs', type=int, default=40, help='sandbox calls')
@@ -449,6 +501,7 @@ def main():
     'model': bench_model,
     'sampler': bench_sampler,
     'grpo': bench_grpo,
+    'topology': bench_topology,
     'rewards': bench_rewards,
   }
   benches[args.bench](args)

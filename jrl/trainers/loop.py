@@ -144,9 +144,15 @@ def validate(config, batch_shards):
     'must be >= 1 for a disaggregated topology.',
   )
   need(
-    tc.kind != 'disaggregated' or tc.rollout_devices < jax.device_count(),
+    tc.rollout_devices < jax.device_count(),
     'topology.rollout_devices',
     f'must leave devices for training (there are {jax.device_count()}).',
+  )
+  need(tc.rollout_devices >= 0, 'topology.rollout_devices', 'must be >= 0.')
+  need(
+    tc.kind != 'colocated' or tc.rollout_devices == 0,
+    'topology.rollout_devices',
+    "must be 0 for a colocated topology (use 'disaggregated').",
   )
   need(tc.staleness in (0, 1), 'topology.staleness', 'must be 0 or 1.')
   need(tc.is_cap >= 1.0, 'topology.is_cap', 'must be >= 1.')
@@ -275,10 +281,11 @@ class Trainer:
   def __init__(self, config):
     self.config = config
     mc, tc = config.mesh, config.topology
-    # Disaggregated: the last `rollout_devices` devices sample, the others train.
+    # Disaggregated (or one-step-off with `rollout_devices`): the last
+    # `rollout_devices` devices sample, the others train.
     devices = jax.devices()
     rollout_devices = None
-    if tc.kind == 'disaggregated' and 0 < tc.rollout_devices < len(devices):
+    if tc.kind != 'colocated' and 0 < tc.rollout_devices < len(devices):
       devices, rollout_devices = devices[: -tc.rollout_devices], devices[-tc.rollout_devices :]
     self.mesh = parallel.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
     batch_shards = self.mesh.shape['data'] * self.mesh.shape['fsdp']

@@ -91,6 +91,18 @@ def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp
   assert resumed[-1]['rollout/staleness'] == 1.0
 
 
+def test_one_step_off_on_separate_rollout_devices(one_step_off, tmp_path):
+  """Disaggregated and asynchronous: same samples as one-step-off colocated."""
+  params, records = run(str(tmp_path), {**ONE_STEP_OFF, 'topology.rollout_devices': 4})
+  sync = {r['step']: r for r in one_step_off[1]}
+  assert [r.get('rollout/staleness') for r in records[-4:]] == [0.0, 1.0, 1.0, 1.0]
+  for r in records:
+    if 'reward/mean' in r:
+      assert r['reward/mean'] == sync[r['step']]['reward/mean'], r['step']
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_step_off[0]), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
   config = shrunk_config(
     str(tmp_path), {**BASE, 'topology.kind': 'disaggregated', 'topology.rollout_devices': 4}
@@ -122,6 +134,7 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
     ({'topology.kind': 'ring'}, 'topology.kind'),
     ({'topology.kind': 'disaggregated'}, 'topology.rollout_devices'),
     ({'topology.kind': 'disaggregated', 'topology.rollout_devices': 8}, 'topology.rollout_devices'),
+    ({'topology.rollout_devices': 2}, 'topology.rollout_devices'),
     ({'topology.kind': 'one_step_off', 'topology.staleness': 2}, 'topology.staleness'),
     ({'topology.kind': 'one_step_off', 'topology.is_cap': 0.5}, 'topology.is_cap'),
     ({'topology.kind': 'one_step_off', 'algorithm': 'ppo'}, 'topology.kind'),
