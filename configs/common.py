@@ -138,6 +138,7 @@ def base():
   c.log.every = 1  # iterations between console lines
   c.log.tensorboard = True
   c.log.plot = True  # workdir/curves.png at the end
+  c.log.trace = True  # workdir/trace.json: per-stage spans (Perfetto / chrome://tracing)
   return c
 
 

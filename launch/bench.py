@@ -5,6 +5,7 @@
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py grpo [--setup default|larger --steps 4]
     python launch/bench.py topology [--setup default|larger --steps 10]
+    python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40]
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
@@ -409,6 +410,132 @@ def bench_topology(args):
   print(f'  step time one-step-off / colocated: x{ratio:.2f}')
 
 
+COSTMODEL_CASES = {
+  # name: (config overrides, topology)
+  'default G=8': {},
+  'G=4, 32 prompts, 12 new': {
+    'rl.group_size': 4,
+    'rl.prompts_per_step': 32,
+    'rl.max_new_tokens': 12,
+  },
+  'G=16, 8 prompts, 10 new': {
+    'rl.group_size': 16,
+    'rl.prompts_per_step': 8,
+    'rl.max_new_tokens': 10,
+  },
+  'KL (reference model)': {'rl.kl_coef': 0.001},
+  'one-step-off': {'topology.kind': 'one_step_off'},
+}
+
+
+def bench_costmodel(args):
+  """Calibrates the cost model on a short traced run of the default job's RL
+  phase, then predicts other configurations and measures them."""
+  import os
+  import sys
+  import tempfile
+
+  from absl import logging
+
+  logging.set_verbosity(logging.WARNING)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import grpo_arith
+  from jrl import costmodel
+  from jrl.trainers import loop
+
+  def measure(overrides):
+    config = grpo_arith.get_config()
+    config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
+    config.sft.steps = 0
+    config.rl.steps = args.steps
+    config.eval.every = 0
+    config.reward.mode = 'inline'
+    for key, value in overrides.items():
+      section, name = key.split('.')
+      config[section][name] = value
+    rl = config.rl
+    rl.minibatch_size = min(rl.minibatch_size, rl.prompts_per_step * rl.group_size)
+    config.sampler.num_slots = max(config.sampler.num_slots, rl.group_size)
+    trainer = loop.make_trainer(config)
+    records, t_warm = [], None
+    for i in range(args.steps):
+      if i == args.warmup:
+        t_warm = trainer.tracer.now()
+      records.append(trainer.rl_iteration())
+      trainer.iteration += 1
+    trainer.close()
+    steady = records[args.warmup :]
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in steady)
+    trace = trainer.tracer.trace()
+    trace['traceEvents'] = [e for e in trace['traceEvents'] if e.get('ts', 1e18) >= t_warm * 1e6]
+    workload = costmodel.Workload(
+      prompts_per_step=rl.prompts_per_step,
+      group_size=rl.group_size,
+      prompt_len=round(
+        statistics.mean(
+          len(trainer.encoder.prompt_ids(ex['prompt'])) for ex in trainer.task.held_out[:50]
+        )
+      ),
+      max_prompt_len=rl.max_prompt_len,
+      response_mean=med('response_length/mean'),
+      response_max=rl.max_new_tokens,
+      response_clip_frac=med('response_length/clip_ratio'),
+      epochs=rl.epochs,
+      minibatch_rows=rl.minibatch_size,
+      reference=rl.kl_coef > 0,
+      num_slots=config.sampler.num_slots,
+      page_size=config.sampler.page_size,
+      steps_per_dispatch=config.sampler.steps_per_dispatch,
+      param_bytes=4,
+      compute_bytes=4,
+    )
+    layout = costmodel.Layout(topology=config.topology.kind)
+    measured = {
+      'generate': med('time/generate'),
+      'reward': med('time/reward'),
+      'reference': med('time/reference'),
+      'update': med('time/update'),
+      'step': med('time/step'),
+    }
+    return trainer.model_config, workload, layout, trace, measured
+
+  model, workload, layout, trace, measured = measure({})
+  coeffs = costmodel.calibrate(trace, workload)
+  print(
+    f'cost model on this machine, calibrated on the default job ({args.steps} RL steps, '
+    f'medians after {args.warmup})'
+  )
+  print(
+    f'  coefficients: decode {1e3 * coeffs.decode_fixed_s:.2f} ms/step + '
+    f'{1e3 * coeffs.decode_page_s:.3f} ms/page bound; '
+    f'prefill {1e3 * coeffs.prefill_fixed_s:.2f} ms + {1e6 * coeffs.prefill_token_s:.1f} us/token; '
+    f'update {1e6 * coeffs.train_token_s:.2f} us/token; '
+    f'reward {1e6 * coeffs.reward_s:.1f} us/completion'
+  )
+  header = (
+    f'  {"configuration":28s} {"stage":10s} {"predicted":>10s} {"measured":>10s} {"ratio":>7s}'
+  )
+  print(header)
+  errors = []
+  for name, overrides in COSTMODEL_CASES.items():
+    if name != 'default G=8':
+      model, workload, layout, trace, measured = measure(overrides)
+    predicted = costmodel.predict(model, workload, layout, coeffs)
+    for stage in ('generate', 'reward', 'reference', 'update', 'step'):
+      if measured[stage] < 1e-3 and predicted[stage] < 1e-3:
+        continue
+      ratio = predicted[stage] / max(measured[stage], 1e-9)
+      if stage in ('generate', 'update', 'step'):
+        errors.append(abs(ratio - 1))
+      print(
+        f'  {name:28s} {stage:10s} {predicted[stage]:9.3f}s {measured[stage]:9.3f}s {ratio:7.2f}'
+      )
+  print(
+    f'  generate/update/step: median |error| {100 * statistics.median(errors):.0f}%, '
+    f'max {100 * max(errors):.0f}%'
+  )
+
+
 def bench_rewards(args):
   """Rewards per second of the math verifier and the code sandbox, and the
   sandbox's fixed cost per call."""
@@ -492,6 +619,9 @@ def main():
   p = sub.add_parser('topology', help='colocated vs one-step-off step time')
   p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
   p.add_argument('--steps', type=int, default=10)
+  p = sub.add_parser('costmodel', help='cost model calibration and prediction vs measurement')
+  p.add_argument('--steps', type=int, default=8)
+  p.add_argument('--warmup', type=int, default=2, help='steps left out (compilation)')
   p = sub.add_parser('rewards', help='math verifier and code sandbox throughput')
   p.add_argument('--n', type=int, default=2000, help='math completions')
   p.add_argument('--programs', type=int, default=40, help='sandbox calls')
@@ -502,6 +632,7 @@ def main():
     'sampler': bench_sampler,
     'grpo': bench_grpo,
     'topology': bench_topology,
+    'costmodel': bench_costmodel,
     'rewards': bench_rewards,
   }
   benches[args.bench](args)

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jrl import trace
 from jrl.sampler import engine
 from jrl.sampler.engine import EngineConfig
 
@@ -124,6 +125,7 @@ class Sampler:
       )
     self.mesh = mesh
     self.stats = SamplerStats()
+    self.tracer = trace.NULL  # the controller sets its own to record prefill/decode spans
     cfg = engine_config
     self._prefill = jax.jit(functools.partial(engine.prefill, graphdef))
     self._insert = jax.jit(functools.partial(engine.insert, cfg=cfg), donate_argnums=(0,))
@@ -269,6 +271,7 @@ class Sampler:
           break
         pending.popleft()
         start = time.perf_counter()
+        t_start = self.tracer.now()
         pb = self.bucket(n)
         tokens = np.zeros(pb, np.int32)
         tokens[:n] = r.prompt
@@ -278,6 +281,8 @@ class Sampler:
           state, prefix, jnp.asarray(slots, jnp.int32), self._slot_request(r, samples)
         )
         stats.prefill_seconds += time.perf_counter() - start
+        t_end = self.tracer.now()
+        self.tracer.add('prefill', t_start, t_end, 'sampler', tokens=n, samples=len(samples))
         stats.prefills += 1
         reserved += need
         shared = n // cfg.page_size
@@ -288,11 +293,22 @@ class Sampler:
         next_group += 1
 
       start = time.perf_counter()
+      t_start = self.tracer.now()
+      active = len(slot_owner)
       max_pages = engine.attend_pages(held_pages, self.steps_per_dispatch, cfg)
       state = self._generate(params, state, num_steps=self.steps_per_dispatch, max_pages=max_pages)
       done, free_top, held = jax.device_get((state.done, state.free_top, state.num_pages))
       held_pages = np.array(held)
       stats.decode_seconds += time.perf_counter() - start
+      self.tracer.add(
+        'decode',
+        t_start,
+        self.tracer.now(),
+        'sampler',
+        active=active,
+        steps=self.steps_per_dispatch,
+        max_pages=int(max_pages),
+      )
       stats.dispatches += 1
       stats.peak_pages = max(stats.peak_pages, capacity - int(free_top))
 

@@ -16,6 +16,7 @@ same parameters and metrics as one that never stopped.
 """
 
 import concurrent.futures
+import dataclasses
 import functools
 import hashlib
 import json
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import checkpoint as ckpt_lib
-from jrl import distributed, models, parallel, rewards, sampler
+from jrl import distributed, models, parallel, rewards, sampler, trace
 from jrl import losses as L
 from jrl import metrics as metrics_lib
 from jrl.data import ArithmeticTask, PromptStream, read_jsonl, read_sft_jsonl
@@ -332,7 +333,9 @@ class Trainer:
     self.stop_tokens = tuple(self.tokenizer.eos_ids)
     rl = config.rl
     self.seq_len = rl.max_prompt_len + rl.max_new_tokens
+    self.tracer = trace.Tracer(enabled=config.log.trace, pid=jax.process_index())
     self._build_sampler()
+    self.sampler.tracer = self.tracer
 
     # Optimiser and state. The reference model is the policy at the start of RL.
     # One optimiser per phase (the SFT warm-up has its own learning rate); the
@@ -459,7 +462,8 @@ class Trainer:
     """
     params = self.state.params
     if self.rollout_shardings is not None:
-      return jax.device_put(params, self.rollout_shardings)
+      with self.tracer.span('reshard'):
+        return jax.block_until_ready(jax.device_put(params, self.rollout_shardings))
     if self.staleness:
       return jax.tree.map(jnp.copy, params)
     return params
@@ -505,9 +509,22 @@ class Trainer:
   def save(self, force=False):
     # One-step-off: the rollout in flight is not saved; the parameters it reads
     # are, so that a resumed run regenerates exactly the same rollout.
-    self.checkpointer.save(
-      self.iteration, self.state, self._meta(), force=force, behaviour=self.pending_params
-    )
+    with self.tracer.span('checkpoint', iteration=self.iteration):
+      self.checkpointer.save(
+        self.iteration, self.state, self._meta(), force=force, behaviour=self.pending_params
+      )
+    self.write_trace()
+
+  def write_trace(self):
+    """workdir/trace.json (process 0), for ui.perfetto.dev or chrome://tracing."""
+    if self.is_main:
+      model = {
+        f.name: getattr(self.model_config, f.name)
+        for f in dataclasses.fields(self.model_config)
+        if f.name != 'rope_scaling'
+      }
+      other = {'config': json.loads(self.config.to_json_best_effort()), 'model': model}
+      self.tracer.write(os.path.join(self.workdir, 'trace.json'), other)
 
   def maybe_restore(self):
     latest = self.checkpointer.latest_step()
@@ -553,8 +570,9 @@ class Trainer:
     ]
     batch = common.pack_sequences(prompts, responses, self.seq_len, self.tokenizer.pad_id)
     start = time.perf_counter()
-    self.state, m = self._sft_step(self.state, self._place_rows(batch, config.sft.batch_size))
-    m = jax.device_get(m)
+    with self.tracer.span('sft_update', iteration=self.iteration):
+      self.state, m = self._sft_step(self.state, self._place_rows(batch, config.sft.batch_size))
+      m = jax.device_get(m)
     m['time/update'] = time.perf_counter() - start
     m['phase'] = 0.0
     return m
@@ -652,11 +670,13 @@ class Trainer:
       examples = self.rl_stream.next(b, self.prompt_rows)
       prompt_ids = self._gather_prompts([self.encoder.prompt_ids(ex['prompt']) for ex in examples])
       start = time.perf_counter()
-      requests, groups = self._generate(prompt_ids, draw, params, iteration)
+      with self.tracer.span('generate', iteration=iteration, draw=draw):
+        requests, groups = self._generate(prompt_ids, draw, params, iteration)
       t_gen += time.perf_counter() - start
       gen_tokens += sum(len(c.tokens) for grp in groups for c in grp)
       start = time.perf_counter()
-      scored = self._score(examples, groups[plo:phi])
+      with self.tracer.span('reward', iteration=iteration):
+        scored = self._score(examples, groups[plo:phi])
       first_scored = first_scored or scored
       lengths = [len(c.tokens) for grp in groups for c in grp]
       total = (scored.total - self._overlong_penalty(lengths)).reshape(b, g)
@@ -719,8 +739,9 @@ class Trainer:
     placed = self._place(sampled.batch)
     ref_logp = jnp.zeros(sampled.batch.tokens.shape, jnp.float32)
     if self.uses_ref:
-      ref_logp = self._minibatched_logprobs(self.state.extra['ref_params'], placed)
-      jax.block_until_ready(ref_logp)
+      with self.tracer.span('reference'):
+        ref_logp = self._minibatched_logprobs(self.state.extra['ref_params'], placed)
+        jax.block_until_ready(ref_logp)
     t_ref = time.perf_counter() - start
     m['time/reference'] = t_ref
     num_tokens = int(np.asarray(sampled.batch.mask).sum())
@@ -818,7 +839,9 @@ class Trainer:
       # the truncated ratio proximal / behaviour for the policy lag.
       is_weights = jnp.ones_like(ro.old_logp)
       if ro.version != self.iteration:
-        old_logp = self._minibatched_logprobs(self.state.params, ro.batch)
+        with self.tracer.span('proximal'):
+          old_logp = self._minibatched_logprobs(self.state.params, ro.batch)
+          jax.block_until_ready(old_logp)
         is_weights, is_metrics = L.importance_weights(
           old_logp,
           ro.old_logp,
@@ -840,7 +863,8 @@ class Trainer:
       advantages=adv,
       is_weights=is_weights,
     )
-    um, t_update = self.run_minibatches(self._rl_step, full)
+    with self.tracer.span('update', iteration=self.iteration):
+      um, t_update = self.run_minibatches(self._rl_step, full)
     m.update(um)
     m.update(_advantage_metrics(adv, ro.batch.loss_mask))
     m['time/update'] = t_update
@@ -904,7 +928,7 @@ class Trainer:
       for ex in examples
     ]
     params = self.rollout_params()
-    with self.sampler_lock:
+    with self.sampler_lock, self.tracer.span('eval'):
       groups = self.sampler.generate(params, requests, group_size=1)
     texts = [
       self.tokenizer.decode(
@@ -948,7 +972,11 @@ class Trainer:
     try:
       while self.iteration < self.total:
         in_sft = self.iteration < config.sft.steps
-        m = self.sft_iteration() if in_sft else self.rl_iteration()
+        t_start = self.tracer.now()
+        with self.tracer.span('step', 'step', iteration=self.iteration):
+          m = self.sft_iteration() if in_sft else self.rl_iteration()
+        if not in_sft and self.tracer.enabled:
+          m.update(self.tracer.bubbles(t_start, self.tracer.now()))
         self.iteration += 1
         if self.iteration == config.sft.steps and self.iteration < self.total:
           self._start_rl_phase()
@@ -988,6 +1016,7 @@ class Trainer:
       self._drain()
       self.scorer.close()
     self.checkpointer.close()
+    self.write_trace()
     if self.preempted:
       return self.state
     if config.log.plot and self.is_main:

@@ -1,0 +1,329 @@
+"""Traces (`jrl.trace`), the cost model (`jrl.costmodel`) and the planner
+(`launch/plan.py`).
+
+Memory estimates are checked against the sizes of the real objects (the
+model's parameters, optax's AdamW state, the sampler's page pool); the
+generation simulator against the real sampler's dispatch count; traces of a
+real run against the trace-event JSON schema.
+"""
+
+import importlib.util
+import json
+import os
+import threading
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from jrl import costmodel, models, sampler, trace
+from jrl.trainers import loop
+from jrl.trainers.optim import make_optimizer
+from tests.trainers.test_grpo_loop import QUIET, optim_config, shrunk_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location('plan', f'{REPO}/launch/plan.py')
+plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan)
+
+
+# Traces ---------------------------------------------------------------------------------
+
+
+def test_tracer_tracks_threads_and_validates_against_the_schema(tmp_path):
+  tracer = trace.Tracer()
+  with tracer.span('update', iteration=0):
+    pass
+
+  def rollout():
+    with tracer.span('generate'):
+      pass
+
+  worker = threading.Thread(target=rollout, name='rollout_0')
+  worker.start()
+  worker.join()
+  path = tmp_path / 'trace.json'
+  tracer.write(str(path), {'note': 'x'})
+  data = json.loads(path.read_text())
+  jsonschema.validate(data, trace.SCHEMA)
+  names = {e['args']['name'] for e in data['traceEvents'] if e['name'] == 'thread_name'}
+  assert names == {'trainer', 'rollout'}
+  tids = {e['name']: e['tid'] for e in data['traceEvents'] if e['ph'] == 'X'}
+  assert tids['update'] != tids['generate']
+  assert data['otherData'] == {'note': 'x'}
+
+
+def test_schema_rejects_malformed_events():
+  bad = [
+    {'traceEvents': [{'name': 'x', 'ph': 'X', 'pid': 0, 'tid': 1, 'ts': 0}]},  # no dur
+    {'traceEvents': [{'name': 'x', 'ph': 'Q', 'pid': 0, 'tid': 1, 'ts': 0, 'dur': 1}]},
+    {'traceEvents': [{'name': 'x', 'ph': 'X', 'pid': 0, 'tid': 1, 'ts': -1, 'dur': 1}]},
+    {'traceEvents': [{'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': 1}]},  # no args
+    {'events': []},
+  ]
+  for doc in bad:
+    with pytest.raises(jsonschema.ValidationError):
+      jsonschema.validate(doc, trace.SCHEMA)
+
+
+def test_busy_time_is_the_union_of_spans_and_bubbles_follow():
+  tracer = trace.Tracer()
+  # generate [0, 2] and [1, 3] overlap -> 3 s busy; update [4, 5].
+  tracer.add('generate', 0.0, 2.0)
+  tracer.add('generate', 1.0, 3.0)
+  tracer.add('update', 4.0, 5.0)
+  tracer.add('decode', 0.5, 1.0, 'sampler')
+  assert tracer.busy(('generate',), 0.0, 10.0) == pytest.approx(3.0)
+  assert tracer.busy(('generate',), 2.5, 10.0) == pytest.approx(0.5)
+  b = tracer.bubbles(0.0, 5.0)
+  assert b['time/rollout_idle_frac'] == pytest.approx(0.4)
+  assert b['time/train_idle_frac'] == pytest.approx(0.8)
+  disabled = trace.Tracer(enabled=False)
+  with disabled.span('update'):
+    pass
+  assert disabled.events == []
+
+
+@pytest.fixture(scope='module')
+def traced_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('traced'))
+  overrides = {
+    **QUIET,
+    'topology.kind': 'one_step_off',
+    'rl.kl_coef': 0.01,
+    'rl.steps': 3,
+    'reward.mode': 'inline',
+  }
+  loop.run(shrunk_config(workdir, overrides))
+  with open(os.path.join(workdir, 'trace.json'), encoding='utf-8') as f:
+    return json.load(f), workdir
+
+
+def test_run_trace_is_valid_and_covers_every_stage(traced_run):
+  data, workdir = traced_run
+  jsonschema.validate(data, trace.SCHEMA)
+  spans = [e for e in data['traceEvents'] if e['ph'] == 'X']
+  names = {e['name'] for e in spans}
+  for stage in ('step', 'sft_update', 'generate', 'prefill', 'decode', 'reward', 'reference',
+                'proximal', 'update', 'checkpoint'):  # fmt: skip
+    assert stage in names, stage
+  tracks = {e['args']['name'] for e in data['traceEvents'] if e['name'] == 'thread_name'}
+  assert tracks == {'trainer', 'rollout'}  # one-step-off generates in the background
+  decode = [e for e in spans if e['name'] == 'decode']
+  assert all({'active', 'steps', 'max_pages'} <= set(e['args']) for e in decode)
+  assert data['otherData']['config']['topology']['kind'] == 'one_step_off'
+  records = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  rl = [r for r in records if r.get('phase') == 1.0]
+  assert all(0.0 <= r['time/rollout_idle_frac'] <= 1.0 for r in rl)
+
+
+def test_calibration_from_a_run_trace(traced_run):
+  data, _ = traced_run
+  coeffs = costmodel.calibrate(data)
+  fields = coeffs.__dataclass_fields__
+  values = {k: getattr(coeffs, k) for k in fields if k != 'source'}
+  assert all(np.isfinite(v) and v >= 0 for v in values.values()), values
+  assert coeffs.train_token_s > 0 and coeffs.decode_fixed_s + coeffs.decode_page_s > 0
+  workload = costmodel.workload_from_config(data['otherData']['config'])
+  model = costmodel.trace_model(data)
+  pred = costmodel.predict(model, workload, costmodel.Layout('one_step_off'), coeffs)
+  assert pred['step'] > 0 and pred['generate'] > 0 and pred['proximal'] > 0
+  # A model with twice the FLOPs per token costs twice as much per token.
+  doubled = costmodel.calibrate(data, model=model, reference_model=model)
+  assert doubled.train_token_s == pytest.approx(coeffs.train_token_s)
+
+
+def test_calibration_needs_decode_spans():
+  with pytest.raises(ValueError, match='decode spans'):
+    costmodel.calibrate({'traceEvents': [], 'otherData': {}}, costmodel.Workload(1, 2, 4, 4, 4))
+
+
+# Memory against the real objects -------------------------------------------------------
+
+CONFIGS = [
+  dict(tie_embeddings=True),
+  dict(tie_embeddings=False, qkv_bias=True),
+  dict(tie_embeddings=False, qk_norm=True, num_kv_heads=1),
+]
+
+
+def tiny(**overrides):
+  fields = dict(
+    vocab_size=61, width=32, mlp_width=80, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+  )
+  return models.ModelConfig(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize('overrides', CONFIGS)
+def test_parameter_and_optimizer_bytes_match_the_real_state(overrides):
+  config = tiny(**overrides)
+  _, params = models.create(config, jax.random.PRNGKey(0))
+  leaves = jax.tree.leaves(params)
+  assert config.num_params() == sum(x.size for x in leaves)
+  tx, _ = make_optimizer(optim_config())
+  opt_bytes = sum(x.nbytes for x in jax.tree.leaves(tx.init(params)) if x.ndim > 0)
+  workload = costmodel.Workload(4, 4, 8, 6, 8, param_bytes=4, reference=True)
+  for chips in (1, 4):
+    mem = costmodel.memory(config, workload, costmodel.Layout(train_chips=chips))
+    assert mem['train']['params'] * chips == sum(x.nbytes for x in leaves)
+    assert mem['train']['optimizer'] * chips == opt_bytes  # AdamW: two float32 moments
+    assert mem['train']['reference'] == mem['train']['params']
+
+
+@pytest.mark.parametrize('prompt, new, g, slots, page', [(8, 6, 8, 64, 8), (30, 17, 4, 12, 4)])
+def test_kv_pool_bytes_match_the_sampler_pool(prompt, new, g, slots, page):
+  config = tiny(compute_dtype='bfloat16')
+  per_group = sampler.pages_needed(prompt, new, g, page)
+  engine_config = sampler.EngineConfig(
+    num_slots=slots,
+    num_pages=1 + per_group * max(1, slots // g),
+    page_size=page,
+    max_prompt_len=prompt,
+    max_new_tokens=new,
+  )
+  state = sampler.engine.init_state(config, engine_config)
+  pool = sum(x.nbytes for x in state.k_pages + state.v_pages)
+  workload = costmodel.Workload(
+    4, g, prompt, new, new, num_slots=slots, page_size=page, compute_bytes=2
+  )
+  assert costmodel.kv_pages(workload) == engine_config.num_pages
+  assert costmodel.kv_pool_bytes(config, workload) == pool
+
+
+def test_simulated_schedule_matches_the_sampler():
+  config = tiny()
+  graphdef, params = models.create(config, jax.random.PRNGKey(1))
+  prompt_len, new, g, b, slots, page, k = 5, 12, 4, 6, 8, 4, 3
+  engine_config = sampler.EngineConfig(
+    num_slots=slots,
+    num_pages=1 + sampler.pages_needed(prompt_len, new, g, page) * (slots // g),
+    page_size=page,
+    max_prompt_len=prompt_len,
+    max_new_tokens=new,
+    max_stop_tokens=2,
+  )
+  smp = sampler.Sampler(graphdef, config, engine_config, steps_per_dispatch=k)
+  requests = [
+    sampler.Request(
+      prompt=[1 + i, 2, 3, 4, 5], max_new_tokens=new, temperature=1.0, stop_tokens=(7, 9), seed=i
+    )
+    for i in range(b)
+  ]
+  groups = smp.generate(params, requests, group_size=g)
+  lengths = [len(c.tokens) for grp in groups for c in grp]
+  assert len(set(lengths)) > 1  # a spread of lengths, so the schedule is not trivial
+  workload = costmodel.Workload(
+    b, g, prompt_len, np.mean(lengths), new, num_slots=slots, page_size=page, steps_per_dispatch=k
+  )
+  prefills, dispatches = costmodel.simulate_generation(workload, lengths)
+  assert prefills == smp.stats.prefills == b
+  assert len(dispatches) == smp.stats.dispatches
+
+
+def test_response_lengths_have_the_stated_mean_max_and_clip_fraction():
+  w = costmodel.Workload(16, 8, 64, 100.0, 256, response_clip_frac=0.125)
+  lengths = np.asarray(w.response_lengths())
+  assert lengths.size == 128 and lengths.max() == 256
+  assert np.mean(lengths == 256) == pytest.approx(0.125, abs=0.01)
+  assert lengths.mean() == pytest.approx(100.0, rel=0.02)
+
+
+def test_topologies_compose_stages_as_documented():
+  coeffs = costmodel.Coefficients(
+    decode_fixed_s=0.01,
+    decode_compute_s=0.0,
+    decode_mem_s=0.0,
+    decode_page_s=0.0,
+    prefill_fixed_s=0.0,
+    prefill_token_s=0.0,
+    forward_token_s=1e-4,
+    train_token_s=3e-4,
+    update_fixed_s=0.0,
+    reward_s=0.001,
+    reshard_s=0.05,
+    host_frac=0.5,
+  )
+  model = tiny()
+  w = costmodel.Workload(4, 4, 8, 8, 8, reference=True, steps_per_dispatch=1, num_slots=16)
+  colo = costmodel.predict(model, w, costmodel.Layout('colocated'), coeffs)
+  gen, rew = colo['generate'], colo['reward']
+  assert gen == pytest.approx(7 * 0.01)  # 8 tokens: 7 decode steps, all 16 rows at once
+  assert colo['step'] == pytest.approx(gen + rew + colo['reference'] + colo['update'])
+  dis = costmodel.predict(model, w, costmodel.Layout('disaggregated', 1, 1), coeffs)
+  assert dis['step'] == pytest.approx(colo['step'] + 0.05)
+  assert dis['rollout_idle'] == pytest.approx(1 - (gen + rew) / dis['step'])
+  off = costmodel.predict(model, w, costmodel.Layout('one_step_off', 1, 1), coeffs)
+  train = off['reference'] + off['proximal'] + off['update']
+  assert off['step'] == pytest.approx(max(gen + rew, train) + 0.05)
+  shared = costmodel.predict(model, w, costmodel.Layout('one_step_off'), coeffs)
+  assert shared['step'] == pytest.approx(max(gen + rew, train, 0.5 * gen + train))
+
+
+# The planner -------------------------------------------------------------------------
+
+
+def test_planner_ranks_feasible_layouts_within_memory():
+  model = costmodel.model_preset('qwen2.5-7b')
+  hw = costmodel.HARDWARE['h100']
+  w = costmodel.Workload(512, 8, 512, 1024, 4096, 0.05, num_slots=256, reward_s=1e-3)
+  ok, bad = plan.plan(model, hw, w, 64, top=0)
+  assert ok and bad
+  steps = [p['times']['step'] for p in ok]
+  assert steps == sorted(steps)
+  for p in ok:
+    assert max(p['memory']['train']['total'], p['memory']['rollout']['total']) <= (
+      plan.MEMORY_HEADROOM * hw.mem_bytes
+    )
+    assert p['layout'].chips == 64
+  assert all(b['why'].startswith('out of memory') for b in bad)
+  topologies = {p['layout'].topology for p in ok}
+  assert topologies == {'colocated', 'disaggregated', 'one_step_off'}
+
+
+def test_planner_reports_when_nothing_fits(capsys):
+  model = costmodel.model_preset('qwen2.5-32b')
+  w = costmodel.Workload(64, 8, 512, 512, 1024)
+  ok, bad = plan.report(model, costmodel.HARDWARE['tpu-v5e'], w, 1)
+  assert not ok and bad
+  assert 'no layout fits' in capsys.readouterr().out
+
+
+def test_planner_names_a_bad_model(tmp_path):
+  with pytest.raises(ValueError, match='--model'):
+    plan.load_model(str(tmp_path / 'missing'))
+  (tmp_path / 'config.json').write_text(
+    json.dumps(
+      {
+        'architectures': ['LlamaForCausalLM'],
+        'model_type': 'llama',
+        'vocab_size': 100,
+        'hidden_size': 64,
+        'intermediate_size': 128,
+        'num_hidden_layers': 2,
+        'num_attention_heads': 4,
+        'num_key_value_heads': 2,
+      }
+    )
+  )
+  assert plan.load_model(str(tmp_path)).width == 64
+
+
+def test_roofline_decode_is_memory_bound_for_a_large_model():
+  model = costmodel.model_preset('llama3-8b')
+  w = costmodel.Workload(64, 8, 512, 512, 1024, num_slots=8, compute_bytes=2)
+  c = costmodel.Coefficients.from_hardware(model, costmodel.HARDWARE['h100'], w, costmodel.Layout())
+  # Eight slots: reading the 16 GB of weights dominates the step's arithmetic.
+  assert c.decode_mem_s > c.decode_compute_s
+  assert c.decode_mem_s == pytest.approx(
+    model.num_params() * 2 / (costmodel.HARDWARE['h100'].mem_bw * 0.7)
+  )
+
+
+def test_flops_per_token_counts_the_lm_head_and_attention():
+  untied, tied = tiny(tie_embeddings=False), tiny(tie_embeddings=True)
+  # The embedding lookup is free; the LM head (tied or not) is a matmul.
+  assert costmodel.matmul_params(untied) == costmodel.matmul_params(tied)
+  q = tied.num_heads * tied.head_dim
+  extra = costmodel.flops_per_token(tied, 10) - costmodel.flops_per_token(tied, 0)
+  assert extra == 4 * tied.num_layers * q * 10
