@@ -10,7 +10,7 @@ import ml_collections
 
 def base():
   c = ml_collections.ConfigDict()
-  c.algorithm = 'grpo'  # 'grpo' (the GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft'
+  c.algorithm = 'grpo'  # 'grpo' (GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft' | 'reward_model'
   c.seed = 0  # everything random derives from (seed, iteration)
   c.workdir = 'runs/default'  # checkpoints, metrics.jsonl, tb/, curves.png
   c.tokenizer = 'char'  # 'char' (built in) or a directory with tokenizer.json ('' = model.path)
@@ -63,6 +63,12 @@ def base():
   c.reward.timeout_s = 30.0  # per chunk of completions; late chunks count as timeouts
   c.reward.url = ''  # score on a `python -m jrl.rewards.server` instead (functions set there)
   c.reward.model_path = ''  # HF reward model (scalar head); name it 'reward_model' in functions
+  c.reward.judge_path = ''  # HF policy-format judge model; name it 'judge' in functions
+  c.reward.judge_rubric = 'Score how correct and helpful the response is.'  # the judge's rubric
+  c.reward.judge_max_new_tokens = 256  # judge output tokens
+  c.reward.judge_max_prompt_len = 2048  # judge input tokens
+  c.reward.clip = 0.0  # clip rewards to [-clip, clip] (after normalising); 0: off
+  c.reward.normalize = False  # (r - running mean) / running std, statistics kept in checkpoints
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 0  # supervised warm-up iterations before RL
@@ -154,6 +160,17 @@ def ppo_section():
   p.kl_target = 0.05  # adaptive KL target (per token, nats)
   p.kl_horizon = 10000  # adaptive KL horizon (samples)
   return p
+
+
+def rm_section():
+  """The `rm` fields of reward-model training configs."""
+  r = ml_collections.ConfigDict()
+  r.pairs_per_step = 32  # preference pairs per step
+  r.margin = 0.0  # Bradley-Terry margin (a row's "margin" field overrides it)
+  r.center_coef = 0.01  # weight of (r_chosen + r_rejected)^2, keeps rewards near 0
+  r.train_path = ''  # JSONL {"prompt", "chosen", "rejected"}; '' = pairs from the arith task
+  r.eval_path = ''  # held-out JSONL pairs ('' with arith: pairs from the held-out problems)
+  return r
 
 
 def dpo_section():

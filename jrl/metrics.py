@@ -19,6 +19,8 @@ import numpy as np
 PLOT_KEYS = (
   ('reward/mean', 'reward'),
   ('eval/accuracy', 'held-out accuracy'),
+  ('eval/pair_accuracy', 'held-out pairwise accuracy'),
+  ('rm/loss', 'reward-model loss'),
   ('actor/kl_ref', 'KL to reference'),
   ('actor/approx_kl', 'KL old -> new (per update)'),
   ('actor/entropy', 'entropy'),
@@ -84,6 +86,9 @@ class MetricsWriter:
       ('sft/nll', 'nll'),
       ('dpo/loss', 'dpo_loss'),
       ('rewards/accuracies', 'pref_acc'),
+      ('rm/loss', 'rm_loss'),
+      ('rm/accuracy', 'rm_acc'),
+      ('eval/pair_accuracy', 'eval_pair_acc'),
       ('reward/mean', 'reward'),
       ('actor/pg_loss', 'pg_loss'),
       ('actor/kl_ref', 'kl'),

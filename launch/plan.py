@@ -75,35 +75,42 @@ def candidate_layouts(chips, chips_per_node):
 
 
 def evaluate(model, hw, workload, layout, coeffs=None):
-  """(plan dict) for one layout: fitting micro-batch, memory, times, or why it fails."""
+  """(plan dict) for one layout: the most sampler slots and then the largest
+  micro-batch that fit in memory, the stage times, or why nothing fits."""
   minibatch = workload.minibatch_rows or workload.rows
   data_ways = max(1, layout.train_chips // layout.tensor)
-  micro, mem = None, None
-  for rows in sorted({minibatch // 2**k for k in range(12) if minibatch // 2**k >= data_ways}):
-    trial = dataclasses.replace(layout, micro_rows=rows)
-    m = costmodel.memory(model, workload, trial)
-    if max(m['train']['total'], m['rollout']['total']) <= MEMORY_HEADROOM * hw.mem_bytes:
-      micro, mem, layout = rows, m, trial
-  if micro is None:
-    m = costmodel.memory(model, workload, dataclasses.replace(layout, micro_rows=data_ways))
-    worst = max(m['train']['total'], m['rollout']['total'])
-    side = 'train' if m['train']['total'] >= m['rollout']['total'] else 'rollout'
-    big = max((k for k in m[side] if k != 'total'), key=lambda k: m[side][k])
-    return {
-      'layout': layout,
-      'feasible': False,
-      'why': f'out of memory: {worst / 2**30:.1f} GiB per {side} chip > '
-      f'{MEMORY_HEADROOM:.0%} of {hw.mem_bytes / 2**30:.0f} GiB (largest: {big})',
-    }
-  c = coeffs or costmodel.Coefficients.from_hardware(model, hw, workload, layout)
-  times = costmodel.predict(model, workload, layout, c)
+  slot_options = [workload.num_slots // 2**k for k in range(4)]
+  slot_options = [n for n in slot_options if n >= workload.group_size] or [workload.group_size]
+  micro_options = sorted(
+    {minibatch // 2**k for k in range(12) if minibatch // 2**k >= data_ways}, reverse=True
+  ) or [data_ways]
+  for slots in slot_options:
+    w = dataclasses.replace(workload, num_slots=slots)
+    for rows in micro_options:
+      trial = dataclasses.replace(layout, micro_rows=rows)
+      m = costmodel.memory(model, w, trial)
+      if max(m['train']['total'], m['rollout']['total']) <= MEMORY_HEADROOM * hw.mem_bytes:
+        c = coeffs or costmodel.Coefficients.from_hardware(model, hw, w, trial)
+        times = costmodel.predict(model, w, trial, c)
+        return {
+          'layout': trial,
+          'feasible': True,
+          'micro_rows': rows,
+          'slots': slots,
+          'memory': m,
+          'times': times,
+          'cost': trial.chips * times['step'],
+        }
+  w = dataclasses.replace(workload, num_slots=slot_options[-1])
+  m = costmodel.memory(model, w, dataclasses.replace(layout, micro_rows=micro_options[-1]))
+  worst = max(m['train']['total'], m['rollout']['total'])
+  side = 'train' if m['train']['total'] >= m['rollout']['total'] else 'rollout'
+  big = max((k for k in m[side] if k != 'total'), key=lambda k: m[side][k])
   return {
     'layout': layout,
-    'feasible': True,
-    'micro_rows': micro,
-    'memory': mem,
-    'times': times,
-    'cost': layout.chips * times['step'],
+    'feasible': False,
+    'why': f'out of memory: {worst / 2**30:.1f} GiB per {side} chip > '
+    f'{MEMORY_HEADROOM:.0%} of {hw.mem_bytes / 2**30:.0f} GiB (largest: {big})',
   }
 
 
@@ -181,7 +188,8 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     return ok, bad
   best = ok[0]
   print(
-    f'  {"rank":4s} {"layout":84s} {"micro":>5s} {"GiB/chip":>8s} {"gen s":>7s} {"train s":>7s} '
+    f'  {"rank":4s} {"layout":84s} {"slots":>5s} {"micro":>5s} {"GiB/chip":>8s} {"gen s":>7s} '
+    f'{"train s":>7s} '
     f'{"step s":>7s} {"chip-h/1k steps":>15s}',
     file=out,
   )
@@ -190,7 +198,8 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     gib = max(m['train']['total'], m['rollout']['total']) / 2**30
     train = t['reference'] + t['proximal'] + t['update']
     print(
-      f'  {i + 1:<4d} {describe(pl["layout"]):84s} {pl["micro_rows"]:5d} {gib:8.1f} '
+      f'  {i + 1:<4d} {describe(pl["layout"]):84s} {pl["slots"]:5d} {pl["micro_rows"]:5d} '
+      f'{gib:8.1f} '
       f'{t["generate"]:7.1f} {train:7.1f} {t["step"]:7.1f} {pl["cost"] * 1000 / 3600:15.1f}',
       file=out,
     )
@@ -201,7 +210,8 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
       f'{lay.rollout_chips}:{lay.train_chips} rollout:train' if lay.separate else 'all chips shared'
     )
     + f', training mesh fsdp {lay.train_chips // lay.tensor} x tensor {lay.tensor}, '
-    f'micro-batch {best["micro_rows"]} rows; step {best["times"]["step"]:.1f} s '
+    f'micro-batch {best["micro_rows"]} rows, {best["slots"]} sampler slots per replica; '
+    f'step {best["times"]["step"]:.1f} s '
     f'({best["times"]["bound"]}-bound)',
     file=out,
   )

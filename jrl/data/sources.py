@@ -144,3 +144,16 @@ def read_preference_jsonl(path):
       raise ValueError(f'{path}:{lineno}: `chosen` and `rejected` are identical.')
     out.append(item)
   return out
+
+
+def read_unlabelled_pairs_jsonl(path):
+  """Pairs to be judged: {"prompt": str | messages, "completion_a": str, "completion_b": str}."""
+  out = []
+  for lineno, row in _read_rows(path):
+    item = {'prompt': _text_field(path, lineno, row, 'prompt')}
+    for key in ('completion_a', 'completion_b'):
+      if not isinstance(row.get(key), str):
+        raise ValueError(f'{path}:{lineno}: field `{key}` must be a string.')
+      item[key] = row[key]
+    out.append(item)
+  return out

@@ -45,7 +45,14 @@ from jrl.losses.logprobs import (
   token_logprobs_from_hidden,
 )
 from jrl.losses.policy import cispo_loss, gspo_loss, importance_weights, ppo_clip_loss
-from jrl.losses.preference import dpo_loss, hinge_loss, ipo_loss, orpo_loss, simpo_loss
+from jrl.losses.preference import (
+  bradley_terry_loss,
+  dpo_loss,
+  hinge_loss,
+  ipo_loss,
+  orpo_loss,
+  simpo_loss,
+)
 from jrl.losses.presets import PRESETS, GRPOPreset, get_preset, grpo_loss, preset_advantages
 from jrl.losses.reductions import (
   AGGREGATION_MODES,

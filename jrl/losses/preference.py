@@ -179,3 +179,42 @@ def orpo_loss(chosen_avg_logp, rejected_avg_logp, *, lam=0.1):
   metrics['log_odds_ratio'] = jnp.mean(jax.lax.stop_gradient(log_odds))
   metrics['nll_chosen'] = jnp.mean(jax.lax.stop_gradient(-c))
   return loss, metrics
+
+
+def bradley_terry_loss(chosen_reward, rejected_reward, *, margin=None, center_coef=0.0):
+  """Pairwise logistic (Bradley-Terry) loss for training a reward model.
+
+    ℓ = −log σ(r_c − r_r − m) + c · (r_c + r_r)²
+
+  The margin m (Llama 2, Touvron et al. 2023) asks for a larger gap on
+  pairs labelled as clearly different; the centring term c (Eisenstein et
+  al. 2023) keeps rewards near zero, since the logistic loss only sees
+  their difference. TRL's `RewardTrainer` is this loss with its `margin`
+  column and `center_rewards_coefficient`; OpenRLHF's `LogSigLoss` is the
+  loss with m = 0 and c = 0.
+
+  Args:
+    chosen_reward, rejected_reward: [B] scalar rewards of each pair.
+    margin: None, a float, or [B] per-pair margins m ≥ 0.
+    center_coef: c ≥ 0.
+
+  Returns:
+    (loss [B], metrics): `rewards_chosen`, `rewards_rejected`,
+    `reward_margin` (mean r_c − r_r), `reward_accuracy` (share with
+    r_c > r_r).
+  """
+  _check('chosen_reward', chosen_reward, rejected_reward=rejected_reward)
+  if center_coef < 0:
+    raise ValueError(f'`center_coef` must be >= 0, got {center_coef!r}.')
+  c, r = as_f32(chosen_reward), as_f32(rejected_reward)
+  m = 0.0
+  if margin is not None:
+    m = as_f32(margin)
+    if jnp.ndim(m) == 1:
+      check_same_shape('chosen_reward', c, margin=m)
+    elif jnp.ndim(m) != 0:
+      raise ValueError(f'`margin` must be a scalar or [B], got shape {jnp.shape(m)}.')
+  loss = -jax.nn.log_sigmoid(c - r - m)
+  if center_coef:
+    loss = loss + center_coef * (c + r) ** 2
+  return loss, _reward_metrics(c, r)

@@ -37,6 +37,7 @@ from jrl import metrics as metrics_lib
 from jrl.data import ArithmeticTask, PromptStream, read_jsonl, read_sft_jsonl
 from jrl.models import hf as hf_lib
 from jrl.models.tokenizer import load_tokenizer
+from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
 from jrl.trainers import common, policy, sft
@@ -327,7 +328,7 @@ class Trainer:
     rc = config.reward
     if not rc.url:
       for name in rc.functions:
-        if name != 'reward_model':
+        if name not in ('reward_model', 'judge'):
           rewards.get_reward_fn(name)
     self.eval_scorer = rewards.RewardService((config.eval.reward,), mode='inline')
     self.stop_tokens = tuple(self.tokenizer.eos_ids)
@@ -375,6 +376,7 @@ class Trainer:
     self.is_main = distributed.is_main()
     # One-step-off: the rollout being generated in the background, the
     # parameters it reads, and the stream positions from before it drew.
+    self.reward_moments = reward_norm.init()  # running reward statistics (`reward.normalize`)
     self.pending = None
     self.pending_params = None
     self.pending_streams = None
@@ -503,6 +505,7 @@ class Trainer:
       'streams': streams,
       'nonfinite_run': self.nonfinite_run,
       'pending_rollout': self.pending_params is not None,
+      'reward_moments': list(self.reward_moments),
       'config': json.loads(self.config.to_json_best_effort()),
     }
 
@@ -536,6 +539,7 @@ class Trainer:
     for name, stream in self.streams.items():
       stream.restore(meta['streams'][name])
     self.nonfinite_run = int(meta.get('nonfinite_run', 0))
+    self.reward_moments = reward_norm.RunningMoments(*meta.get('reward_moments', (0, 0, 0)))
     if meta.get('pending_rollout') and self.staleness:
       behaviour = ckpt_lib.abstract_like(self.state.params)
       if self.rollout_shardings is not None:
@@ -719,6 +723,7 @@ class Trainer:
       m[f'reward/{name}/timeouts'] = float(first_scored.timeouts[name])
     if first_scored.errors:
       print('reward errors (scored as unscored):\n  ' + '\n  '.join(first_scored.errors))
+    m['reward/length_corr'] = reward_norm.length_correlation(rewards_np, lengths)
     m['response_length/mean'] = float(lengths.mean())
     m['response_length/max'] = float(lengths.max())
     m['response_length/clip_ratio'] = float(
@@ -730,6 +735,19 @@ class Trainer:
     m['time/reward'] = t_reward
     m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
     return Sampled(batch, old_logp, rewards_np, iteration if version is None else version, m)
+
+  def _shape_rewards(self, raw, m):
+    """Clipping and running normalisation (`reward.clip`, `reward.normalize`),
+    in the main thread and in step order, so a resumed run shapes alike."""
+    rc = self.config.reward
+    if rc.normalize:
+      self.reward_moments = reward_norm.update(self.reward_moments, raw)
+      shaped = reward_norm.normalize(self.reward_moments, raw, clip=rc.clip)
+      m['reward/running_mean'] = float(self.reward_moments.mean)
+      m['reward/running_std'] = reward_norm.std(self.reward_moments)
+      m['reward/shaped_mean'] = float(shaped.mean())
+      return shaped
+    return reward_norm.clip_rewards(raw, rc.clip)
 
   def _with_reference(self, sampled):
     """Places a Sampled batch on the mesh and adds reference logprobs
@@ -751,7 +769,7 @@ class Trainer:
       batch=placed,
       old_logp=self._place(sampled.old_logp),
       ref_logp=ref_logp,
-      rewards=sampled.rewards,
+      rewards=self._shape_rewards(sampled.rewards, m),
       metrics=m,
       num_tokens=num_tokens,
       version=sampled.version,
@@ -876,12 +894,25 @@ class Trainer:
   def _inline_reward_fns(self):
     """Reward functions that need this process's state: a jrl reward model."""
     rc = self.config.reward
-    if not rc.model_path:
-      return {}
-    from jrl.rewards.model import RewardModel
+    fns = {}
+    if rc.model_path:
+      from jrl.rewards.model import RewardModel
 
-    model = RewardModel.load(rc.model_path, self.tokenizer, mesh=self.mesh)
-    return {'reward_model': model}
+      fns['reward_model'] = RewardModel.load(rc.model_path, self.tokenizer, mesh=self.mesh)
+    if rc.judge_path:
+      from jrl.rewards.judge import GenerativeJudge
+
+      judge = GenerativeJudge.load(
+        rc.judge_path,
+        self.tokenizer,
+        rc.judge_rubric,
+        mode='score',
+        max_new_tokens=rc.judge_max_new_tokens,
+        max_prompt_len=rc.judge_max_prompt_len,
+        mesh=self.mesh,
+      )
+      fns['judge'] = judge.as_reward_fn()
+    return fns
 
   def _setup_algorithm(self):
     """Subclasses build what their algorithm state needs (before the state)."""
@@ -1036,7 +1067,7 @@ class Trainer:
     )
 
 
-ALGORITHMS = ('grpo', 'ppo', 'dpo', 'sft')
+ALGORITHMS = ('grpo', 'ppo', 'dpo', 'sft', 'reward_model')
 
 
 def make_trainer(config):
@@ -1052,6 +1083,10 @@ def make_trainer(config):
     from jrl.trainers.dpo import DPOTrainer
 
     return DPOTrainer(config)
+  if algorithm == 'reward_model':
+    from jrl.trainers.reward_model import RewardModelTrainer
+
+    return RewardModelTrainer(config)
   raise ValueError(f'`algorithm` must be one of {ALGORITHMS}, got {algorithm!r}.')
 
 

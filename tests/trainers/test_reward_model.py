@@ -1,0 +1,200 @@
+"""The RLHF pipeline in miniature: SFT (exported) -> a Bradley-Terry reward
+model from its backbone (exported) -> PPO with that reward model as the
+reward and the critic's initialisation, plus the generative judge wired in
+as a reward function, reward normalisation and clipping.
+
+The preference here is trivially learnable (the chosen response is always
+"yes", the rejected "no"), so a few steps show the mechanics: the loss
+falls and held-out pairwise accuracy reaches 1.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import common as config_common
+from jrl.metrics import read_jsonl
+from jrl.models import hf
+from jrl.models.tokenizer import load_tokenizer
+from jrl.rewards.model import RewardModel
+from jrl.trainers import loop
+from tests.trainers.test_grpo_loop import QUIET, shrunk_config
+
+
+def with_section(config, name, section, **fields):
+  config.unlock()
+  config[name] = section
+  for k, v in fields.items():
+    config[name][k] = v
+  config.lock()
+  return config
+
+
+def write_pairs(path, n, seed):
+  rng = np.random.default_rng(seed)
+  with open(path, 'w', encoding='utf-8') as f:
+    for _ in range(n):
+      a, b = rng.integers(10, 99, 2)
+      f.write(json.dumps({'prompt': f'{a}+{b}=', 'chosen': 'yes', 'rejected': 'no'}) + '\n')
+
+
+@pytest.fixture(scope='module')
+def pipeline(tmp_path_factory):
+  root = tmp_path_factory.mktemp('rlhf')
+  out = {'root': root}
+  # Stage 1: SFT, exported.
+  sft = shrunk_config(
+    str(root / 'sft'), {**QUIET, 'algorithm': 'sft', 'rl.steps': 0, 'export_hf': True}
+  )
+  loop.run(sft)
+  out['sft_export'] = str(root / 'sft' / 'hf_export')
+  # Stage 2: the reward model.
+  write_pairs(root / 'train.jsonl', 64, 0)
+  write_pairs(root / 'eval.jsonl', 16, 1)
+  rm = shrunk_config(
+    str(root / 'rm'),
+    {
+      'algorithm': 'reward_model',
+      'model.path': out['sft_export'],
+      'sft.steps': 0,
+      'rl.steps': 12,
+      'optim.lr': 3e-3,
+      'eval.every': 6,
+      'log.plot': False,
+      'log.tensorboard': False,
+      'export_hf': True,
+      'checkpoint.every': 6,
+    },
+  )
+  with_section(
+    rm,
+    'rm',
+    config_common.rm_section(),
+    pairs_per_step=8,
+    train_path=str(root / 'train.jsonl'),
+    eval_path=str(root / 'eval.jsonl'),
+  )
+  loop.run(rm)
+  out['rm_export'] = str(root / 'rm' / 'hf_export')
+  out['rm_records'] = read_jsonl(str(root / 'rm' / 'metrics.jsonl'))
+  return out
+
+
+def test_reward_model_learns_the_preference(pipeline):
+  records = pipeline['rm_records']
+  evals = [r for r in records if 'eval/pair_accuracy' in r]
+  assert [r['step'] for r in evals] == [0, 6, 12]
+  assert evals[-1]['eval/pair_accuracy'] == 1.0
+  assert evals[-1]['eval/margin'] > evals[0]['eval/margin']
+  losses = [r['rm/loss'] for r in records if 'rm/loss' in r]
+  assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])
+  for key in ('rm/accuracy', 'rm/margin', 'rm/chosen', 'rm/rejected', 'rm/grad_norm'):
+    assert key in records[-1], key
+
+
+def test_reward_model_export_scores_like_the_trainer(pipeline):
+  export = pipeline['rm_export']
+  with open(os.path.join(export, 'config.json'), encoding='utf-8') as f:
+    arch = json.load(f)['architectures'][0]
+  assert arch.endswith('ForSequenceClassification')
+  rm = RewardModel.load(export, load_tokenizer('char'), batch_size=4)
+  chosen = rm(['12+34=', '56+78='], ['yes', 'yes'])
+  rejected = rm(['12+34=', '56+78='], ['no', 'no'])
+  assert all(c > r for c, r in zip(chosen, rejected, strict=True))
+
+
+def test_ppo_against_the_reward_model_with_judge_and_normalisation(pipeline):
+  root = pipeline['root']
+  config = shrunk_config(
+    str(root / 'ppo'),
+    {
+      **QUIET,
+      'algorithm': 'ppo',
+      'model.path': pipeline['sft_export'],
+      'sft.steps': 0,
+      'rl.steps': 2,
+      'rl.kl_coef': 0.05,
+      'rl.kl_in': 'reward',
+      'reward.functions': ('reward_model', 'judge'),
+      'reward.weights': (1.0, 1.0),
+      'reward.model_path': pipeline['rm_export'],
+      'reward.judge_path': pipeline['sft_export'],
+      'reward.judge_max_prompt_len': 1024,
+      'reward.judge_max_new_tokens': 8,
+      'reward.mode': 'inline',
+      'reward.normalize': True,
+      'reward.clip': 1.5,
+    },
+  )
+  with_section(config, 'ppo', config_common.ppo_section(), critic_path=pipeline['rm_export'])
+  trainer = loop.make_trainer(config)
+  # The critic starts as the reward model.
+  critic = nnx.to_pure_dict(trainer.state.extra['critic'].params)
+  rm = hf.to_host(hf.load(pipeline['rm_export'], lm_head=False, scalar_head=True).params)
+  np.testing.assert_array_equal(np.asarray(critic['score']['kernel']).T, rm['score.weight'])
+  trainer.run()
+  records = read_jsonl(str(root / 'ppo' / 'metrics.jsonl'))
+  rows = config.rl.prompts_per_step * config.rl.group_size
+  last = records[-1]
+  assert 'reward/reward_model/mean' in last
+  # The tiny judge writes no verdict: every completion is "could not score".
+  assert last['reward/judge/unscored'] == rows
+  assert last['reward/judge/failures'] == 0  # it ran and answered; nothing raised
+  assert last['reward/running_std'] > 0
+  assert abs(last['reward/shaped_mean']) <= 1.5
+  assert -1.0 <= last['reward/length_corr'] <= 1.0
+  assert jax.tree.leaves(trainer.state.params)
+
+
+def test_reward_model_config_errors_name_the_field(tmp_path, pipeline):
+  config = shrunk_config(
+    str(tmp_path), {'algorithm': 'reward_model', 'model.path': pipeline['sft_export']}
+  )
+  with_section(config, 'rm', config_common.rm_section(), center_coef=-1.0)
+  with pytest.raises(ValueError, match=r'`sft\.steps`'):
+    loop.make_trainer(config)
+  config = shrunk_config(
+    str(tmp_path),
+    {'algorithm': 'reward_model', 'model.path': pipeline['sft_export'], 'sft.steps': 0},
+  )
+  with_section(config, 'rm', config_common.rm_section(), center_coef=-1.0)
+  with pytest.raises(ValueError, match=r'`rm\.center_coef`'):
+    loop.make_trainer(config)
+
+
+def _label_module():
+  import importlib.util
+
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  spec = importlib.util.spec_from_file_location('label', f'{repo}/launch/label.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_label_cli_counts_and_never_guesses(pipeline, tmp_path, capsys):
+  label = _label_module()
+  pairs = tmp_path / 'pairs.jsonl'
+  pairs.write_text(
+    '\n'.join(
+      json.dumps({'prompt': f'{a}+1=', 'completion_a': str(a + 1), 'completion_b': str(a)})
+      for a in (10, 20, 30)
+    )
+  )
+  out = tmp_path / 'prefs.jsonl'
+  args = ['--judge', pipeline['sft_export'], '--tokenizer', 'char', '--rubric', 'Is it correct?']
+  args += ['--input', str(pairs), '--output', str(out), '--max_new_tokens', '8']
+  args += ['--max_prompt_len', '1024', '--num_slots', '8']
+  stats = label.main(args)
+  printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  # The tiny judge writes no verdicts: all three pairs are dropped, none guessed.
+  assert printed['input'] == 3 and stats['kept'] == 0 and stats['dropped'] == 3
+  assert stats['unparseable'] == 3
+  assert out.exists() and out.read_text().strip() == ''
+  pairs.write_text(json.dumps({'prompt': 'x', 'completion_a': 1, 'completion_b': 'y'}) + '\n')
+  with pytest.raises(ValueError, match=r'pairs\.jsonl:1: field `completion_a`'):
+    label.main(args)
