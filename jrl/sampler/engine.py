@@ -51,6 +51,7 @@ class EngineConfig(NamedTuple):
   max_new_tokens: int  # longest completion (requests may ask for fewer)
   max_stop_tokens: int = 4  # stop tokens per request
   attention_impl: str = 'auto'  # 'auto' | 'gather' | 'pallas'
+  max_forced_tokens: int = 1  # longest environment turn appended by `resume` (multi-turn)
 
   @property
   def max_pages_per_slot(self):
@@ -96,6 +97,11 @@ class DecodeState(NamedTuple):
   num_generated: jax.Array  # [S] int32
   out_tokens: jax.Array  # [S, max_new_tokens] int32
   out_logprobs: jax.Array  # [S, max_new_tokens] float32
+  # Multi-turn: environment tokens fed through the decode loop in place of
+  # sampled ones (written to the cache, recorded with logprob 0, never a stop).
+  forced: jax.Array  # [S, max_forced_tokens] int32
+  forced_len: jax.Array  # [S] int32
+  forced_at: jax.Array  # [S] int32: forced tokens already fed
 
 
 class Prefix(NamedTuple):
@@ -151,6 +157,9 @@ def init_state(model_config, cfg):
     num_generated=jnp.zeros(s, jnp.int32),
     out_tokens=jnp.zeros((s, cfg.max_new_tokens), jnp.int32),
     out_logprobs=jnp.zeros((s, cfg.max_new_tokens), jnp.float32),
+    forced=jnp.zeros((s, max(1, cfg.max_forced_tokens)), jnp.int32),
+    forced_len=jnp.zeros(s, jnp.int32),
+    forced_at=jnp.zeros(s, jnp.int32),
   )
 
 
@@ -340,11 +349,17 @@ def decode_step(graphdef, params, state, cfg, max_pages=None):
   rng, subkeys = _split_keys(state.rng)
   params_S = SamplingParams(state.temperature, state.top_k, state.top_p, state.greedy)
   tok_S, logp_S = sample(logits_SxV, subkeys, params_S)
+  # Environment tokens replace the sample while a slot has some queued.
+  forcing_S = live_S & (state.forced_at < state.forced_len)
+  at_F = jnp.clip(state.forced_at, 0, state.forced.shape[1] - 1)
+  forced_S = jnp.take_along_axis(state.forced, at_F[:, None], axis=1)[:, 0]
+  tok_S = jnp.where(forcing_S, forced_S, tok_S)
+  logp_S = jnp.where(forcing_S, 0.0, logp_S)
 
   at_S = state.num_generated
   write_SxT = live_S[:, None] & (jnp.arange(cfg.max_new_tokens)[None, :] == at_S[:, None])
   num_generated = state.num_generated + live_S
-  stop_S = _is_stop(tok_S, state.stop_tokens)
+  stop_S = _is_stop(tok_S, state.stop_tokens) & ~forcing_S
   finished_S = live_S & (stop_S | (num_generated >= state.max_new))
   return state._replace(
     k_pages=tuple(c[0] for c in caches),
@@ -357,6 +372,27 @@ def decode_step(graphdef, params, state, cfg, max_pages=None):
     num_generated=num_generated,
     out_tokens=jnp.where(write_SxT, tok_S[:, None], state.out_tokens),
     out_logprobs=jnp.where(write_SxT, logp_S[:, None], state.out_logprobs),
+    forced_at=state.forced_at + forcing_S,
+  )
+
+
+def resume(state, slot_mask_S, forced_SxF, forced_len_S):
+  """Continues finished slots with environment tokens (multi-turn).
+
+  Each slot in `slot_mask_S` stopped on a turn-ending token that is not in
+  its cache yet; the next `forced_len_S` decode steps feed that token and
+  then the environment's tokens `forced_SxF` (writing their keys and values
+  on top of the cached prefix: nothing before them is recomputed), and the
+  step after the last one samples the model's next turn. The tokens count
+  towards the slot's `max_new`.
+  """
+  m = slot_mask_S
+  return state._replace(
+    done=state.done & ~m,
+    finish_reason=jnp.where(m, RUNNING, state.finish_reason),
+    forced=jnp.where(m[:, None], forced_SxF, state.forced),
+    forced_len=jnp.where(m, forced_len_S, state.forced_len),
+    forced_at=jnp.where(m, 0, state.forced_at),
   )
 
 
@@ -413,6 +449,8 @@ def free(state, slot_mask_S):
     done=state.done & keep,
     finish_reason=jnp.where(keep, state.finish_reason, RUNNING),
     num_generated=jnp.where(keep, state.num_generated, 0),
+    forced_len=jnp.where(keep, state.forced_len, 0),
+    forced_at=jnp.where(keep, state.forced_at, 0),
   )
 
 

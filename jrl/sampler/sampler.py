@@ -62,8 +62,9 @@ class Completion(NamedTuple):
   """One sampled continuation."""
 
   tokens: np.ndarray  # [n] int32, the stop token included when it ended the sample
-  logprobs: np.ndarray  # [n] float32 under the distribution sampled from
-  finish_reason: str  # 'stop' | 'length'
+  logprobs: np.ndarray  # [n] float32 under the distribution sampled from (0 on env tokens)
+  finish_reason: str  # 'stop' | 'length' | what `on_turn_end` reported
+  env_mask: np.ndarray | None = None  # [n] bool: tokens the environment appended (multi-turn)
 
 
 class RolloutBatch(NamedTuple):
@@ -85,6 +86,7 @@ class SamplerStats:
   peak_pages: int = 0  # most pages in use at once (scratch page excluded)
   prefill_seconds: float = 0.0
   decode_seconds: float = 0.0
+  env_turns: int = 0  # environment turns appended (multi-turn)
 
 
 def default_buckets(max_prompt_len, smallest=16):
@@ -135,6 +137,7 @@ class Sampler:
       donate_argnums=(1,),
     )
     self._free = jax.jit(engine.free, donate_argnums=(0,))
+    self._resume = jax.jit(engine.resume, donate_argnums=(0,))
 
   # State ---------------------------------------------------------------------
 
@@ -226,7 +229,9 @@ class Sampler:
 
   # The loop ------------------------------------------------------------------
 
-  def generate(self, params, requests, *, group_size=1, share_prompt=True, state=None):
+  def generate(
+    self, params, requests, *, group_size=1, share_prompt=True, state=None, on_turn_end=None
+  ):
     """Samples `group_size` completions for every request.
 
     Args:
@@ -236,6 +241,14 @@ class Sampler:
       share_prompt: one prefill per request and shared prompt pages for its
         G samples (True), or G independent prefills (False).
       state: a DecodeState to start from (default: a fresh one).
+      on_turn_end: multi-turn. Called as `on_turn_end(i, g, tokens)` when
+        sample g of request i stops on one of its stop tokens (`tokens`:
+        everything after the prompt so far, the stop token last). It
+        returns environment tokens to append (the sample then continues on
+        its cached pages: the tokens are fed through the decode loop, the
+        prefix is not recomputed), or a finish reason (str) to end the
+        sample. Environment tokens count towards `max_new_tokens` and must
+        fit `EngineConfig.max_forced_tokens`.
 
     Returns:
       [len(requests)][G] Completion, in request order.
@@ -259,6 +272,7 @@ class Sampler:
     reserved = 0
     next_group = 0
     held_pages = np.zeros(cfg.num_slots, np.int32)  # host copy of state.num_pages
+    env_spans = collections.defaultdict(list)  # slot -> [(start, end)] of environment tokens
 
     while pending or slot_owner:
       # Admit what fits, in order.
@@ -324,13 +338,35 @@ class Sampler:
           state.finish_reason[idx],
         )
       )
+      continuing = {}
       for row, slot in enumerate(finished):
-        i, g, group = slot_owner.pop(slot)
+        i, g, group = slot_owner[slot]
         n_out = int(num_gen[row])
+        reason = engine.FINISH_REASONS[int(reasons[row])]
+        if on_turn_end is not None and reason == 'stop':
+          answer = on_turn_end(i, g, out_tokens[row, :n_out].copy())
+          if not isinstance(answer, str):
+            env = list(answer)
+            room = requests[i].max_new_tokens - n_out - 1  # one model token after them
+            if len(env) > cfg.max_forced_tokens or len(env) > room:
+              reason = 'length'
+            else:
+              continuing[slot] = env
+              env_spans[slot].append((n_out, n_out + len(env)))
+              continue
+          else:
+            reason = answer
+        slot_owner.pop(slot)
+        env_mask = None
+        if on_turn_end is not None:
+          env_mask = np.zeros(n_out, bool)
+          for a, b in env_spans.pop(slot, []):
+            env_mask[a:b] = True
         results[i][g] = Completion(
           tokens=out_tokens[row, :n_out].copy(),
           logprobs=out_logp[row, :n_out].copy(),
-          finish_reason=engine.FINISH_REASONS[int(reasons[row])],
+          finish_reason=reason,
+          env_mask=env_mask,
         )
         stats.generated_tokens += n_out
         shared, private, left = groups[group]
@@ -340,6 +376,22 @@ class Sampler:
           del groups[group]
         else:
           groups[group][2] = left - 1
+      if continuing:
+        f = max(1, cfg.max_forced_tokens)
+        forced = np.zeros((cfg.num_slots, f), np.int32)
+        forced_len = np.zeros(cfg.num_slots, np.int32)
+        resume_mask = np.zeros(cfg.num_slots, bool)
+        for slot, env in continuing.items():
+          forced[slot, : len(env)] = env
+          forced_len[slot] = len(env)
+          resume_mask[slot] = True
+        state = self._resume(
+          state, jnp.asarray(resume_mask), jnp.asarray(forced), jnp.asarray(forced_len)
+        )
+        stats.env_turns += len(continuing)
+      finished = [s for s in finished if s not in continuing]
+      if not finished:
+        continue
       mask = np.zeros(cfg.num_slots, bool)
       mask[finished] = True
       state = self._free(state, jnp.asarray(mask))

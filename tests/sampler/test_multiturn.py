@@ -1,0 +1,132 @@
+"""Multi-turn sampling: environment tokens appended on the cached pages
+(`Sampler.generate(on_turn_end=...)`, `engine.resume`).
+
+The reference is the same trajectory recomputed from scratch: the prompt,
+the model's first turn and the environment's tokens prefilled as one new
+prompt, then decoded greedily. Continuing on the cached pages must give the
+same tokens (and logprobs to float tolerance), without recomputing the
+prefix.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import jrl.models as M
+from jrl.sampler import EngineConfig, Request, Sampler
+
+CFG = M.ModelConfig(
+  vocab_size=64,
+  width=32,
+  mlp_width=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  init_std=0.1,
+)
+GRAPHDEF, PARAMS = M.create(CFG, jax.random.key(3))
+PAGE, MAX_PROMPT, MAX_NEW, FORCED = 4, 40, 24, 6
+ECFG = EngineConfig(
+  num_slots=4,
+  num_pages=96,
+  page_size=PAGE,
+  max_prompt_len=MAX_PROMPT,
+  max_new_tokens=MAX_NEW,
+  max_forced_tokens=FORCED,
+)
+SAMPLER = Sampler(GRAPHDEF, CFG, ECFG, steps_per_dispatch=3)
+PROMPTS = [[5, 9, 13, 2, 40, 41, 7], [1, 2, 3], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+ENV = [50, 51, 52, 53]
+
+
+def greedy(prompt, stop=(), max_new=MAX_NEW):
+  (c,) = SAMPLER.generate(
+    PARAMS, [Request(prompt=prompt, max_new_tokens=max_new, greedy=True, stop_tokens=stop)]
+  )[0]
+  return c
+
+
+def stop_token_for(prompt):
+  """A token greedy decoding emits as its 3rd token (so the first turn ends there)."""
+  return int(greedy(prompt).tokens[2])
+
+
+@pytest.mark.parametrize('p', range(len(PROMPTS)))
+def test_continuing_on_cached_pages_equals_recomputing_the_prefix(p):
+  prompt = PROMPTS[p]
+  stop = stop_token_for(prompt)
+  calls = []
+
+  def on_turn_end(i, g, tokens):
+    calls.append(list(tokens))
+    return ENV if len(calls) == 1 else 'done'
+
+  (c,) = SAMPLER.generate(
+    PARAMS,
+    [Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, stop_tokens=(stop,))],
+    on_turn_end=on_turn_end,
+  )[0]
+  first = calls[0]
+  assert first[-1] == stop
+  n1 = len(first)
+  # Trajectory layout: first turn, the environment's tokens, then the next turn.
+  np.testing.assert_array_equal(c.tokens[:n1], first)
+  np.testing.assert_array_equal(c.tokens[n1 : n1 + len(ENV)], ENV)
+  assert c.env_mask.tolist() == [False] * n1 + [True] * len(ENV) + [False] * (
+    len(c.tokens) - n1 - len(ENV)
+  )
+  assert np.all(c.logprobs[n1 : n1 + len(ENV)] == 0.0)
+  # Recompute: prefill prompt + first turn + environment tokens as one prompt.
+  second = c.tokens[n1 + len(ENV) :]
+  redo = greedy(prompt + first + ENV, stop=(stop,), max_new=len(second))
+  np.testing.assert_array_equal(second, redo.tokens)
+  np.testing.assert_allclose(c.logprobs[n1 + len(ENV) :], redo.logprobs, atol=1e-5)
+  if len(calls) > 1:  # the second turn also stopped and the episode ended
+    assert c.finish_reason == 'done'
+
+
+def test_groups_and_queueing_with_turns_complete_every_request():
+  stops = [stop_token_for(p) for p in PROMPTS]
+  requests = [
+    Request(prompt=p, max_new_tokens=MAX_NEW, temperature=1.0, stop_tokens=(s,), seed=k)
+    for k, (p, s) in enumerate(zip(PROMPTS, stops, strict=True))
+  ]
+  turns = {}
+
+  def on_turn_end(i, g, tokens):
+    turns[(i, g)] = turns.get((i, g), 0) + 1
+    return ENV[: 1 + turns[(i, g)]] if turns[(i, g)] < 3 else 'max_turns'
+
+  groups = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=on_turn_end)
+  spans = 0
+  for group in groups:
+    for c in group:
+      assert c is not None and c.env_mask.shape == c.tokens.shape
+      assert c.finish_reason in ('max_turns', 'length', 'stop')
+      assert len(c.tokens) <= MAX_NEW
+      # Every environment span holds exactly what the environment returned.
+      edges = np.flatnonzero(np.diff(np.concatenate([[0], c.env_mask.astype(int), [0]])))
+      for start, end in zip(edges[::2], edges[1::2], strict=True):
+        assert c.tokens[start:end].tolist() == ENV[: end - start]
+        assert c.tokens[start - 1] in stops  # right after the model's turn-ending token
+        spans += 1
+  assert spans == SAMPLER.stats.env_turns > 0
+  assert max(turns.values()) >= 2
+
+
+def test_environment_answer_too_long_ends_the_sample_with_length():
+  prompt = PROMPTS[0]
+  stop = stop_token_for(prompt)
+  (c,) = SAMPLER.generate(
+    PARAMS,
+    [Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, stop_tokens=(stop,))],
+    on_turn_end=lambda i, g, tokens: [50] * (FORCED + 1),
+  )[0]
+  assert c.finish_reason == 'length' and not c.env_mask.any()
+
+
+def test_single_turn_sampling_is_unchanged_by_the_multiturn_state():
+  # Without on_turn_end the forced-token queue stays empty: same tokens as before.
+  c = greedy(PROMPTS[1])
+  assert c.env_mask is None and c.finish_reason == 'length' and len(c.tokens) == MAX_NEW
