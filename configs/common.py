@@ -10,7 +10,8 @@ import ml_collections
 
 def base():
   c = ml_collections.ConfigDict()
-  c.algorithm = 'grpo'  # 'grpo' (GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft' | 'reward_model'
+  # 'grpo' (GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft' | 'reward_model' | 'agent'
+  c.algorithm = 'grpo'
   c.seed = 0  # everything random derives from (seed, iteration)
   c.workdir = 'runs/default'  # checkpoints, metrics.jsonl, tb/, curves.png
   c.tokenizer = 'char'  # 'char' (built in) or a directory with tokenizer.json ('' = model.path)
@@ -43,7 +44,7 @@ def base():
   c.model.compute_dtype = 'float32'  # 'bfloat16' for bf16 matmuls
 
   c.task = ml_collections.ConfigDict()
-  c.task.kind = 'arith'  # 'arith' (generated) or 'jsonl'
+  c.task.kind = 'arith'  # 'arith' (generated), 'arith_tool' (agentic, generated) or 'jsonl'
   c.task.digits = 2  # arith: operand digits
   c.task.ops = '+'  # arith: operators, from '+-*'
   c.task.train_seed = 0  # arith: seed of the training problems
@@ -160,6 +161,18 @@ def ppo_section():
   p.kl_target = 0.05  # adaptive KL target (per token, nats)
   p.kl_horizon = 10000  # adaptive KL horizon (samples)
   return p
+
+
+def agent_section():
+  """The `agent` fields of multi-turn (tool-use) configs."""
+  a = ml_collections.ConfigDict()
+  a.env = 'arith_tool'  # see jrl.trainers.agent.ENVIRONMENTS
+  a.trainer = 'grpo'  # 'grpo' (rl.advantage) or 'ppo' (critic + GAE; add a `ppo` section)
+  a.max_turns = 4  # tool calls per trajectory before it is ended
+  a.step_timeout_s = 10.0  # per environment step; a late step ends its trajectory
+  a.max_env_tokens = 16  # longest environment answer (tokens)
+  a.sft_tool_frac = 0.5  # share of SFT demonstrations that use the tool
+  return a
 
 
 def rm_section():

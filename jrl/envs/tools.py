@@ -13,7 +13,9 @@ answers with one bracketed message appended to the sequence:
 
     [RESULT]                   the tool's output, e.g. [389]
     [error: MESSAGE]           the tool ran and failed (a tool failure)
-    [invalid call: MESSAGE]    no well-formed call, or an unknown tool (an invalid call)
+    [invalid: MESSAGE]         no well-formed call, or an unknown tool (an invalid call)
+
+Messages are cut to `max_result_chars` (the closing bracket kept).
 
 after which the model continues: it may call again or answer and end with
 end-of-sequence. Failures and invalid calls go back to the model as
@@ -22,6 +24,7 @@ messages, are counted, and never end the episode by themselves.
 
 import ast
 import operator
+import re
 
 from jrl.envs.base import Environment, Step
 
@@ -101,20 +104,17 @@ TOOLS = {'calc': calculator, 'python': python_tool}
 
 
 def parse_call(text, open_char='{', close_char='}'):
-  """(name, arguments) of the call that ends `text`, or raises ValueError saying why."""
+  """(name, arguments) of the call that ends `text`: the last `{NAME:` opening
+  (NAME an identifier) up to the final `}`; braces inside the arguments are
+  kept. Raises ValueError saying what is missing."""
   if not text.endswith(close_char):
-    raise ValueError('the turn does not end with a call')
-  start = text.rfind(open_char)
-  if start < 0:
-    raise ValueError(f'no opening {open_char!r}')
-  body = text[start + 1 : -1]
-  if ':' not in body:
-    raise ValueError('expected {name:arguments}')
-  name, args = body.split(':', 1)
-  name = name.strip()
-  if not name.isidentifier():
-    raise ValueError(f'bad tool name {name!r}')
-  return name, args
+    raise ValueError('no call')
+  opening = None
+  for match in re.finditer(re.escape(open_char) + r'\s*([A-Za-z_]\w*)\s*:', text[:-1]):
+    opening = match
+  if opening is None:
+    raise ValueError('no ' + open_char + 'name:')
+  return opening.group(1), text[opening.end() : -1]
 
 
 class ToolEnv(Environment):
@@ -129,7 +129,7 @@ class ToolEnv(Environment):
     max_result_chars: longer tool output is cut.
   """
 
-  def __init__(self, tokenizer, tools=None, answer_fn=None, *, close_char='}', max_result_chars=64):
+  def __init__(self, tokenizer, tools=None, answer_fn=None, *, close_char='}', max_result_chars=16):
     self.tokenizer = tokenizer
     self.tools = dict(TOOLS if tools is None else tools)
     self.answer_fn = answer_fn
@@ -148,7 +148,8 @@ class ToolEnv(Environment):
     return self.tokenizer.encode(example['prompt'])
 
   def _message(self, text, **info):
-    text = text[: self.max_result_chars]
+    if len(text) > self.max_result_chars:
+      text = text[: self.max_result_chars - 1] + ']'
     self.transcript += text
     return Step(self.tokenizer.encode(text), info=info)
 
@@ -158,9 +159,9 @@ class ToolEnv(Environment):
     try:
       name, args = parse_call(turn, close_char=self.close_char)
     except ValueError as e:
-      return self._message(f'[invalid call: {e}]', invalid_calls=1)
+      return self._message(f'[invalid: {e}]', invalid_calls=1)
     if name not in self.tools:
-      return self._message(f'[invalid call: unknown tool {name!r}]', invalid_calls=1)
+      return self._message('[invalid: no tool]', invalid_calls=1)
     try:
       result = self.tools[name](args)
     except ToolError as e:

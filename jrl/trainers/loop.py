@@ -184,12 +184,18 @@ class Task:
       )
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)
+    elif kind == 'arith_tool':
+      from jrl.envs.arith import ArithToolTask
+
+      self.generator = ArithToolTask(seed=task_config.train_seed)
+      self.train = self.generator
+      self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)
     elif kind == 'jsonl':
       self.train = read_jsonl(task_config.train_path)
       self.held_out = read_jsonl(task_config.eval_path) if task_config.eval_path else []
       self.held_out = self.held_out[: task_config.eval_size]
     else:
-      raise ValueError(f"`task.kind` must be 'arith' or 'jsonl', got {kind!r}.")
+      raise ValueError(f"`task.kind` must be 'arith', 'arith_tool' or 'jsonl', got {kind!r}.")
     self.seed = seed
 
 
@@ -485,7 +491,7 @@ class Trainer:
       max_new_tokens=rl.max_new_tokens,
       max_stop_tokens=max(1, len(self.stop_tokens)),
       attention_impl=sc.attention_impl,
-    )
+    )._replace(**self._engine_overrides())
     self.sampler = sampler.Sampler(
       self.graphdef,
       self.model_config,
@@ -917,6 +923,10 @@ class Trainer:
   def _setup_algorithm(self):
     """Subclasses build what their algorithm state needs (before the state)."""
 
+  def _engine_overrides(self):
+    """EngineConfig fields a subclass sets (multi-turn room, more stop tokens)."""
+    return {}
+
   def _needs_reference(self):
     return self.config.rl.kl_coef > 0
 
@@ -1067,7 +1077,7 @@ class Trainer:
     )
 
 
-ALGORITHMS = ('grpo', 'ppo', 'dpo', 'sft', 'reward_model')
+ALGORITHMS = ('grpo', 'ppo', 'dpo', 'sft', 'reward_model', 'agent')
 
 
 def make_trainer(config):
@@ -1083,6 +1093,10 @@ def make_trainer(config):
     from jrl.trainers.dpo import DPOTrainer
 
     return DPOTrainer(config)
+  if algorithm == 'agent':
+    from jrl.trainers.agent import make_agent_trainer
+
+    return make_agent_trainer(config)
   if algorithm == 'reward_model':
     from jrl.trainers.reward_model import RewardModelTrainer
 

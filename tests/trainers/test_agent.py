@@ -1,0 +1,225 @@
+"""Agentic RL (`algorithm='agent'`): multi-turn tool-use episodes end to end.
+
+A shrunken `configs/agent_arith.py` (tiny model, a few SFT steps on
+demonstrations, 2 RL steps). The tests wrap the environment to record what
+it returned and the trainer's batch to see what it trained on.
+"""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import agent_arith
+from configs import common as config_common
+from jrl.envs import Step
+from jrl.envs.arith import make_env as make_arith_env
+from jrl.metrics import read_jsonl
+from jrl.trainers import agent, loop
+
+SHRINK = {
+  'model.width': 32,
+  'model.mlp_width': 64,
+  'model.num_layers': 1,
+  'model.head_dim': 8,
+  'task.eval_size': 8,
+  'sft.steps': 30,
+  'sft.batch_size': 16,
+  'rl.steps': 2,
+  'rl.prompts_per_step': 4,
+  'rl.group_size': 4,
+  'rl.minibatch_size': 8,
+  'sampler.num_slots': 16,
+  'eval.every': 0,
+  'checkpoint.every': 100,
+  'log.plot': False,
+  'log.tensorboard': False,
+}
+
+
+def agent_config(workdir, overrides=None):
+  config = agent_arith.get_config()
+  for key, value in {**SHRINK, 'workdir': str(workdir), **(overrides or {})}.items():
+    *parents, name = key.split('.')
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[name] = value
+  return config
+
+
+class Recorder:
+  """Wraps AgentTrainer to keep the environment's answers and the trained batches."""
+
+  def __init__(self, monkeypatch):
+    self.env_answers = []  # (prompt tokens, model turn, environment tokens)
+    self.batches = []
+    original_make, original_ref = agent.ENVIRONMENTS['arith_tool'][1], loop.Trainer._with_reference
+    recorder = self
+
+    def make_env(tokenizer):
+      env = original_make(tokenizer)
+      step = env.step
+
+      def recording_step(turn):
+        out = step(turn)
+        recorder.env_answers.append((list(turn), list(out.tokens)))
+        return out
+
+      env.step = recording_step
+      return env
+
+    def with_reference(trainer, sampled):
+      recorder.batches.append(sampled)
+      return original_ref(trainer, sampled)
+
+    task = agent.ENVIRONMENTS['arith_tool'][0]
+    monkeypatch.setitem(agent.ENVIRONMENTS, 'arith_tool', (task, make_env))
+    monkeypatch.setattr(loop.Trainer, '_with_reference', with_reference)
+
+
+@pytest.fixture(scope='module')
+def agent_run(tmp_path_factory):
+  mp = pytest.MonkeyPatch()
+  recorder = Recorder(mp)
+  workdir = tmp_path_factory.mktemp('agent')
+  trainer = loop.make_trainer(agent_config(workdir, {'agent.sft_tool_frac': 0.9}))
+  trainer.run()
+  mp.undo()
+  return trainer, recorder, read_jsonl(f'{workdir}/metrics.jsonl')
+
+
+def test_trainer_sees_exactly_the_sampled_and_environment_tokens(agent_run):
+  trainer, recorder, _ = agent_run
+  assert recorder.env_answers, 'no tool was called: the test would be vacuous'
+  answers = {tuple(turn): env for turn, env in recorder.env_answers}
+  tok = trainer.tokenizer
+  checked = 0
+  for sampled in recorder.batches:
+    tokens = np.asarray(sampled.batch.tokens)
+    mask, loss_mask = np.asarray(sampled.batch.mask), np.asarray(sampled.batch.loss_mask)
+    for row in range(tokens.shape[0]):
+      real = tokens[row][mask[row]]
+      prompt_len = int(np.argmax(loss_mask[row] | ~mask[row])) if loss_mask[row].any() else 0
+      text = tok.decode(real.tolist())
+      assert text.startswith(tok.decode(real[:prompt_len].tolist()))
+      # Walk the response: every run of non-loss tokens after the prompt is exactly
+      # what the environment returned for the model turn before it.
+      resp, lm = real[prompt_len:], loss_mask[row][mask[row]][prompt_len:]
+      turn_start, k = 0, 0
+      while k < len(resp):
+        if lm[k]:
+          k += 1
+          continue
+        end = k
+        while end < len(resp) and not lm[end]:
+          end += 1
+        turn = tuple(int(t) for t in resp[turn_start:k])
+        assert turn in answers, tok.decode(list(turn))
+        assert resp[k:end].tolist() == answers[turn]
+        # Environment tokens carry no sampler logprob.
+        logp = np.asarray(sampled.old_logp)[row][mask[row]][prompt_len:]
+        assert np.all(logp[k:end] == 0.0)
+        checked += 1
+        turn_start, k = end, end
+  assert checked > 0
+
+
+def test_episode_metrics_are_logged(agent_run):
+  _, _, records = agent_run
+  rl = [r for r in records if r.get('phase') == 1.0]
+  assert len(rl) == 2
+  for key in ('env/turns', 'env/tool_calls', 'env/tool_failures', 'env/invalid_calls',
+              'env/tool_use_rate', 'env/finish/stop', 'reward/mean'):  # fmt: skip
+    assert key in rl[-1], key
+  assert sum(r['env/turns'] for r in rl) > 0  # environment turns happened
+  finish = sum(v for k, v in rl[-1].items() if k.startswith('env/finish/'))
+  assert finish == pytest.approx(1.0)
+
+
+class Flaky:
+  """Raises on turns that contain '1', hangs on turns that contain '2', returns
+  garbage on '3', answers otherwise."""
+
+  turn_stop_tokens = ()
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self.inner = make_arith_env(tokenizer)
+    self.turn_stop_tokens = self.inner.turn_stop_tokens
+
+  def reset(self, example):
+    return self.inner.reset(example)
+
+  def step(self, turn):
+    text = self.tokenizer.decode(turn)
+    if '1' in text:
+      raise ValueError('flaky tool')
+    if '2' in text:
+      time.sleep(2)
+    if '3' in text:
+      return Step([10**6])
+    return self.inner.step(turn)
+
+  def final_reward(self, text):
+    return self.inner.final_reward(text)
+
+
+def test_environments_that_raise_hang_or_return_garbage_end_only_their_trajectory(
+  tmp_path, monkeypatch
+):
+  task = agent.ENVIRONMENTS['arith_tool'][0]
+  monkeypatch.setitem(agent.ENVIRONMENTS, 'arith_tool', (task, Flaky))
+  config = agent_config(
+    tmp_path, {'agent.sft_tool_frac': 1.0, 'agent.step_timeout_s': 0.2, 'rl.steps': 2}
+  )
+  loop.run(config)
+  rl = [r for r in read_jsonl(f'{tmp_path}/metrics.jsonl') if r.get('phase') == 1.0]
+  assert len(rl) == 2  # the run finished
+  total = {k: sum(r[k] for r in rl) for k in rl[0] if k.startswith('env/finish/')}
+  assert total['env/finish/env_error'] > 0
+  assert total['env/finish/env_timeout'] > 0
+  assert total['env/finish/env_invalid'] > 0
+
+
+def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
+  config = agent_config(tmp_path, {'agent.sft_tool_frac': 0.9, 'rl.steps': 1})
+  config.unlock()
+  config.ppo = config_common.ppo_section()
+  config.agent.trainer = 'ppo'
+  config.lock()
+  trainer = loop.make_trainer(config)
+  seen = []
+  gae = trainer._gae
+
+  def recording_gae(rewards, values, mask):
+    adv, ret = gae(rewards, values, mask)
+    seen.append((np.asarray(mask), np.asarray(adv)))
+    return adv, ret
+
+  trainer._gae = recording_gae
+  trainer.run()
+  ((mask, adv),) = seen
+  # Rows with an environment turn have masked positions between model tokens;
+  # advantages are zero there and flow to the model tokens before them.
+  inner = 0
+  for m, a in zip(mask, adv, strict=True):
+    idx = np.flatnonzero(m)
+    if idx.size and (idx[-1] - idx[0] + 1) > idx.size:
+      inner += 1
+      gaps = np.setdiff1d(np.arange(idx[0], idx[-1] + 1), idx)
+      assert np.all(a[gaps] == 0.0)
+  assert inner > 0, 'no trajectory had an environment turn'
+  assert jax.tree.leaves(trainer.state.params)
+
+
+def test_bad_agent_config_names_the_field(tmp_path):
+  for overrides, field in [
+    ({'agent.env': 'chess'}, 'agent.env'),
+    ({'agent.max_turns': 0}, 'agent.max_turns'),
+    ({'agent.sft_tool_frac': 1.5}, 'agent.sft_tool_frac'),
+    ({'agent.trainer': 'dqn'}, 'agent.trainer'),
+  ]:
+    with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+      loop.make_trainer(agent_config(tmp_path, overrides))
