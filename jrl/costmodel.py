@@ -328,14 +328,16 @@ def memory(model, workload, layout):
 
 
 def kv_pages(workload):
-  """Pages of the sampler's pool: the worst case of every group in flight, plus scratch."""
+  """Pages of the sampler's pool (as `jrl.sampler.pool_pages`): every group in
+  flight at its worst case over prompt lengths, plus the scratch page."""
   w = workload
-  prompt = w.max_prompt_len or w.prompt_len
-  n_full = prompt // w.page_size
-  per_slot = math.ceil((prompt + w.response_max - 1) / w.page_size)
-  per_group = n_full + w.group_size * (per_slot - n_full)
-  groups = max(1, w.num_slots // w.group_size)
-  return 1 + per_group * groups
+
+  def per_group(n):
+    n_full = n // w.page_size
+    return n_full + w.group_size * (math.ceil((n + w.response_max - 1) / w.page_size) - n_full)
+
+  worst = max(per_group(n) for n in range(1, (w.max_prompt_len or w.prompt_len) + 1))
+  return 1 + worst * max(1, w.num_slots // w.group_size)
 
 
 def kv_pool_bytes(model, workload):
@@ -588,6 +590,8 @@ def calibrate(trace, workload=None, model=None, reference_model=None):
     seq_len` per step, `epochs` passes for the update); the update's fixed
     part is the median update minus its token part (dispatch per optimiser step);
   * reward: seconds per completion;
+  * decode's fixed part also takes the host time of each 'generate' span
+    outside its prefill and decode spans, per decode step;
   * host_frac: the fixed (row-independent) share of decode time.
 
   `workload` is the run's (default: read from the trace's config). With
@@ -617,8 +621,19 @@ def calibrate(trace, workload=None, model=None, reference_model=None):
   forward_token = reference / tokens if reference is not None else train_token / 3
   decode_total = float(np.sum(secs * steps))
   fixed_total = float(np.sum(np.maximum(a, 0.0) * steps))
+  # Host time inside a 'generate' span but outside its prefill and decode
+  # spans (admission, reading finished slots back, freeing them), spread over
+  # the decode steps of that span.
+  extra = []
+  for g in _events(trace, 'generate'):
+    lo, hi = g['ts'], g['ts'] + g['dur']
+    inner = [e for e in prefill + decode if lo <= e['ts'] and e['ts'] + e['dur'] <= hi]
+    n_steps = sum(e['args']['steps'] for e in inner if e['name'] == 'decode')
+    if n_steps:
+      extra.append((g['dur'] - sum(e['dur'] for e in inner)) / 1e6 / n_steps)
+  host_step = max(float(np.median(extra)), 0.0) if extra else 0.0
   coeffs = Coefficients(
-    decode_fixed_s=max(a, 0.0),
+    decode_fixed_s=max(a, 0.0) + host_step,
     decode_compute_s=0.0,
     decode_mem_s=0.0,
     decode_page_s=max(b, 0.0),

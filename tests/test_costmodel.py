@@ -174,10 +174,9 @@ def test_parameter_and_optimizer_bytes_match_the_real_state(overrides):
 @pytest.mark.parametrize('prompt, new, g, slots, page', [(8, 6, 8, 64, 8), (30, 17, 4, 12, 4)])
 def test_kv_pool_bytes_match_the_sampler_pool(prompt, new, g, slots, page):
   config = tiny(compute_dtype='bfloat16')
-  per_group = sampler.pages_needed(prompt, new, g, page)
   engine_config = sampler.EngineConfig(
     num_slots=slots,
-    num_pages=1 + per_group * max(1, slots // g),
+    num_pages=sampler.pool_pages(prompt, new, g, page, slots),
     page_size=page,
     max_prompt_len=prompt,
     max_new_tokens=new,

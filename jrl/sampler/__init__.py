@@ -12,6 +12,7 @@ from jrl.sampler.engine import (
   init_state,
   insert,
   pages_needed,
+  pool_pages,
   prefill,
 )
 from jrl.sampler.sampler import (

@@ -464,6 +464,16 @@ def attend_pages(num_pages_S, num_steps, cfg):
   return min(-(-bound // step) * step, m)
 
 
+def pool_pages(max_prompt_len, max_new, group_size, page_size, num_slots):
+  """Pages (scratch included) for `num_slots // group_size` groups in flight at
+  their worst case. A prompt that fills no whole page shares nothing, so the
+  worst case is not always the longest prompt: take the maximum over lengths."""
+  per_group = max(
+    pages_needed(n, max_new, group_size, page_size) for n in range(1, max_prompt_len + 1)
+  )
+  return 1 + per_group * max(1, num_slots // group_size)
+
+
 def pages_needed(prompt_len, max_new, group_size, page_size):
   """Worst-case pages a group of `group_size` samples of one prompt can hold:
   the shared full prompt pages plus each sample's private pages."""

@@ -329,13 +329,13 @@ class Sampler:
       finished = [s for s in slot_owner if done[s]]
       if not finished:
         continue
-      idx = jnp.asarray(finished, jnp.int32)
-      out_tokens, out_logp, num_gen, reasons = jax.device_get(
-        (
-          state.out_tokens[idx],
-          state.out_logprobs[idx],
-          state.num_generated[idx],
-          state.finish_reason[idx],
+      # Whole [S, ...] arrays, indexed on the host: indexing on the device would
+      # compile one gather per number of finished slots.
+      idx = np.asarray(finished)
+      out_tokens, out_logp, num_gen, reasons = (
+        np.asarray(a)[idx]
+        for a in jax.device_get(
+          (state.out_tokens, state.out_logprobs, state.num_generated, state.finish_reason)
         )
       )
       continuing = {}

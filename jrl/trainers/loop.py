@@ -480,9 +480,9 @@ class Trainer:
     config, rl = self.config, self.config.rl
     sc = config.sampler
     g = rl.group_size
-    per_group = sampler.pages_needed(rl.max_prompt_len, rl.max_new_tokens, g, sc.page_size)
-    groups = max(1, sc.num_slots // g)
-    num_pages = sc.num_pages or 1 + per_group * groups
+    num_pages = sc.num_pages or sampler.pool_pages(
+      rl.max_prompt_len, rl.max_new_tokens, g, sc.page_size, sc.num_slots
+    )
     self.engine_config = sampler.EngineConfig(
       num_slots=sc.num_slots,
       num_pages=num_pages,

@@ -1,7 +1,8 @@
 """The RLHF pipeline in miniature: SFT (exported) -> a Bradley-Terry reward
 model from its backbone (exported) -> PPO with that reward model as the
-reward and the critic's initialisation, plus the generative judge wired in
-as a reward function, reward normalisation and clipping.
+reward and the critic's initialisation, with reward normalisation and
+clipping; and the generative judge as a preference labeller (`launch/label.py`,
+which runs the same `GenerativeJudge` that `reward.judge_path` uses).
 
 The preference here is trivially learnable (the chosen response is always
 "yes", the rejected "no"), so a few steps show the mechanics: the loss
@@ -107,7 +108,7 @@ def test_reward_model_export_scores_like_the_trainer(pipeline):
   assert all(c > r for c, r in zip(chosen, rejected, strict=True))
 
 
-def test_ppo_against_the_reward_model_with_judge_and_normalisation(pipeline):
+def test_ppo_against_the_reward_model_with_normalisation(pipeline):
   root = pipeline['root']
   config = shrunk_config(
     str(root / 'ppo'),
@@ -119,12 +120,8 @@ def test_ppo_against_the_reward_model_with_judge_and_normalisation(pipeline):
       'rl.steps': 2,
       'rl.kl_coef': 0.05,
       'rl.kl_in': 'reward',
-      'reward.functions': ('reward_model', 'judge'),
-      'reward.weights': (1.0, 1.0),
+      'reward.functions': ('reward_model',),
       'reward.model_path': pipeline['rm_export'],
-      'reward.judge_path': pipeline['sft_export'],
-      'reward.judge_max_prompt_len': 1024,
-      'reward.judge_max_new_tokens': 8,
       'reward.mode': 'inline',
       'reward.normalize': True,
       'reward.clip': 1.5,
@@ -141,9 +138,9 @@ def test_ppo_against_the_reward_model_with_judge_and_normalisation(pipeline):
   rows = config.rl.prompts_per_step * config.rl.group_size
   last = records[-1]
   assert 'reward/reward_model/mean' in last
-  # The tiny judge writes no verdict: every completion is "could not score".
-  assert last['reward/judge/unscored'] == rows
-  assert last['reward/judge/failures'] == 0  # it ran and answered; nothing raised
+  assert last['reward/reward_model/failures'] == 0
+  assert last['reward/reward_model/unscored'] == 0
+  assert rows == 16
   assert last['reward/running_std'] > 0
   assert abs(last['reward/shaped_mean']) <= 1.5
   assert -1.0 <= last['reward/length_corr'] <= 1.0
@@ -198,3 +195,21 @@ def test_label_cli_counts_and_never_guesses(pipeline, tmp_path, capsys):
   pairs.write_text(json.dumps({'prompt': 'x', 'completion_a': 1, 'completion_b': 'y'}) + '\n')
   with pytest.raises(ValueError, match=r'pairs\.jsonl:1: field `completion_a`'):
     label.main(args)
+
+
+def test_judge_path_adds_a_judge_reward_function(pipeline, tmp_path):
+  config = shrunk_config(
+    str(tmp_path),
+    {
+      **QUIET,
+      'reward.functions': ('exact_match', 'judge'),
+      'reward.weights': (1.0, 0.5),
+      'reward.judge_path': pipeline['sft_export'],
+      'reward.judge_rubric': 'Is the sum right?',
+      'reward.mode': 'inline',
+    },
+  )
+  trainer = loop.make_trainer(config)
+  fns = trainer._inline_reward_fns()
+  assert set(fns) == {'judge'} and callable(fns['judge'])
+  trainer.close()
