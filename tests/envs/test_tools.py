@@ -122,3 +122,15 @@ def test_run_step_passes_a_good_step():
     Scripted(lambda t: Step([], done=True)), [1], timeout_s=1, vocab_size=100, max_tokens=8
   )
   assert failure is None and done.done
+
+
+def test_python_tool_runs_in_the_sandbox():
+  from jrl.envs.tools import python_tool
+
+  assert python_tool('print(6 * 7)') == '42'
+  with pytest.raises(ToolError, match='error'):
+    python_tool('raise SystemExit(3)')
+  env = ToolEnv(TOK, answer_fn=exact_answer)  # calc and python
+  env.reset({'prompt': 'q', 'answer': '8'})
+  step = env.step(TOK.encode('{python:print(2**3)}'))
+  assert TOK.decode(step.tokens) == '[8]' and step.info == {'tool_calls': 1}
