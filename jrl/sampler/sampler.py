@@ -99,6 +99,13 @@ def default_buckets(max_prompt_len, smallest=16):
   return tuple(buckets)
 
 
+@jax.jit
+def _sample_keys(seed, samples_G):
+  """[G, 2] key data: fold_in(PRNGKey(seed), g) for each sample index g."""
+  base = jax.random.PRNGKey(seed)
+  return jax.vmap(lambda g: jax.random.fold_in(base, g))(samples_G)
+
+
 class Sampler:
   """Paged, continuously batched sampling on explicit parameters."""
 
@@ -198,6 +205,8 @@ class Sampler:
           f'request {i}: {len(r.stop_tokens)} stop tokens, more than '
           f'`max_stop_tokens`={cfg.max_stop_tokens}.'
         )
+      if not 0 <= int(r.seed) < 2**32:
+        raise ValueError(f'request {i}: `seed` must be in [0, 2**32), got {r.seed}.')
       if not r.greedy and not r.temperature > 0:
         raise ValueError(f'request {i}: `temperature` must be > 0, got {r.temperature}.')
       if not 0 < r.top_p <= 1 or r.top_k < 0:
@@ -211,20 +220,21 @@ class Sampler:
         )
 
   def _slot_request(self, request, samples):
+    """Per-slot settings as host arrays (one jitted call for the keys; eager
+    JAX ops here cost milliseconds per request)."""
     cfg = self.cfg
     g = len(samples)
-    base = jax.random.PRNGKey(request.seed)
-    rng = np.stack([np.asarray(jax.random.fold_in(base, s)) for s in samples]).astype(np.uint32)
+    rng = np.asarray(_sample_keys(np.uint32(request.seed), np.asarray(samples, np.uint32)))
     stop = np.full((g, cfg.max_stop_tokens), -1, np.int32)
     stop[:, : len(request.stop_tokens)] = np.asarray(request.stop_tokens, np.int32)
     return engine.SlotRequest(
-      rng=jnp.asarray(rng),
-      temperature=jnp.full(g, request.temperature, jnp.float32),
-      top_k=jnp.full(g, request.top_k, jnp.int32),
-      top_p=jnp.full(g, request.top_p, jnp.float32),
-      greedy=jnp.full(g, request.greedy, bool),
-      stop_tokens=jnp.asarray(stop),
-      max_new=jnp.full(g, request.max_new_tokens, jnp.int32),
+      rng=rng.astype(np.uint32),
+      temperature=np.full(g, request.temperature, np.float32),
+      top_k=np.full(g, request.top_k, np.int32),
+      top_p=np.full(g, request.top_p, np.float32),
+      greedy=np.full(g, request.greedy, bool),
+      stop_tokens=stop,
+      max_new=np.full(g, request.max_new_tokens, np.int32),
     )
 
   # The loop ------------------------------------------------------------------
