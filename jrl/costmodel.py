@@ -441,8 +441,9 @@ def simulate_generation(workload, lengths=None):
   """The sampler's schedule for one step: (prefills, [(steps, page bound)] per dispatch).
 
   Mirrors `jrl.sampler.Sampler.generate`: groups admitted in order while G
-  slots are free; each dispatch runs `steps_per_dispatch` steps for all
-  slots; slots that finished are freed at the dispatch boundary; the page
+  slots are free; each dispatch runs up to `steps_per_dispatch` steps for
+  all slots (fewer when every slot finishes sooner); slots that finished
+  are freed at the dispatch boundary; the page
   bound is the most pages any slot can hold after the dispatch, rounded up
   to an eighth of the per-slot maximum.
   """
@@ -465,7 +466,8 @@ def simulate_generation(workload, lengths=None):
       prefills += 1
     held = max(math.ceil(t / page) for _, t in running)
     bound = min(-(-(held + math.ceil(k / page) + 1) // step_round) * step_round, max_pages)
-    dispatches.append((k, bound))
+    # The decode loop stops early once no slot is live.
+    dispatches.append((min(k, max((r[0] for r in running), default=0)), bound))
     for r in running:
       step = min(k, r[0])
       r[0] -= step
@@ -603,6 +605,7 @@ def calibrate(trace, workload=None, model=None, reference_model=None):
   decode = _events(trace, 'decode')
   if not decode:
     raise ValueError('the trace has no decode spans: record a run with `log.trace` on.')
+  decode = [e for e in decode if e['args']['steps'] > 0]
   steps = np.asarray([e['args']['steps'] for e in decode], np.float64)
   pages = np.asarray([e['args']['max_pages'] for e in decode], np.float64)
   secs = np.asarray([e['dur'] for e in decode], np.float64) / 1e6 / steps

@@ -283,6 +283,7 @@ class Sampler:
     next_group = 0
     held_pages = np.zeros(cfg.num_slots, np.int32)  # host copy of state.num_pages
     env_spans = collections.defaultdict(list)  # slot -> [(start, end)] of environment tokens
+    generated = np.zeros(cfg.num_slots, np.int64)  # host copy of state.num_generated
 
     while pending or slot_owner:
       # Admit what fits, in order.
@@ -314,6 +315,7 @@ class Sampler:
         for slot, g in zip(slots, samples, strict=True):
           slot_owner[slot] = (i, g, next_group)
           held_pages[slot] = -(-n // cfg.page_size)
+          generated[slot] = 1  # insert samples the first token
         next_group += 1
 
       start = time.perf_counter()
@@ -321,8 +323,13 @@ class Sampler:
       active = len(slot_owner)
       max_pages = engine.attend_pages(held_pages, self.steps_per_dispatch, cfg)
       state = self._generate(params, state, num_steps=self.steps_per_dispatch, max_pages=max_pages)
-      done, free_top, held = jax.device_get((state.done, state.free_top, state.num_pages))
+      done, free_top, held, gen = jax.device_get(
+        (state.done, state.free_top, state.num_pages, state.num_generated)
+      )
       held_pages = np.array(held)
+      gen = np.asarray(gen, np.int64)
+      steps_run = int(max(0, (gen - generated).max()))  # the loop stops when no slot is live
+      generated = gen
       stats.decode_seconds += time.perf_counter() - start
       self.tracer.add(
         'decode',
@@ -330,7 +337,7 @@ class Sampler:
         self.tracer.now(),
         'sampler',
         active=active,
-        steps=self.steps_per_dispatch,
+        steps=steps_run,
         max_pages=int(max_pages),
       )
       stats.dispatches += 1
