@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jrl.losses as L
+from jrl import costmodel
 
 
 def _naive_logprobs(hidden, unembed, targets):
@@ -115,18 +116,7 @@ MODEL_SIZES = {
     tie_embeddings=True,
   ),
   # The shape of Qwen2.5-0.5B (~494M parameters).
-  'gpu-0.5b': dict(
-    vocab_size=151936,
-    width=896,
-    mlp_width=4864,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    head_dim=64,
-    tie_embeddings=True,
-    qkv_bias=True,
-    family='qwen2',
-  ),
+  'gpu-0.5b': {**costmodel.MODEL_PRESETS['qwen2.5-0.5b'], 'family': 'qwen2'},
 }
 
 

@@ -17,6 +17,7 @@ from jrl.envs import Step
 from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
 from jrl.trainers import agent, loop
+from tests.trainers.test_grpo_loop import set_fields
 
 SHRINK = {
   'model.width': 32,
@@ -39,14 +40,8 @@ SHRINK = {
 
 
 def agent_config(workdir, overrides=None):
-  config = agent_arith.get_config()
-  for key, value in {**SHRINK, 'workdir': str(workdir), **(overrides or {})}.items():
-    *parents, name = key.split('.')
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[name] = value
-  return config
+  fields = {**SHRINK, 'workdir': str(workdir), **(overrides or {})}
+  return set_fields(agent_arith.get_config(), fields)
 
 
 class Recorder:

@@ -89,16 +89,21 @@ RL_METRICS = (
 )
 
 
-def shrunk_config(workdir, overrides=None):
-  """`grpo_arith.get_config()` (locked) with SHRINK and `overrides` ({'a.b': v}) set."""
-  config = grpo_arith.get_config()
-  for key, value in {**SHRINK, 'workdir': str(workdir), **(overrides or {})}.items():
+def set_fields(config, fields):
+  """Sets {'a.b': value} fields on a (locked) config; returns it."""
+  for key, value in fields.items():
     *parents, name = key.split('.')
     node = config
     for parent in parents:
       node = node[parent]
     node[name] = value
   return config
+
+
+def shrunk_config(workdir, overrides=None):
+  """`grpo_arith.get_config()` (locked) with SHRINK and `overrides` ({'a.b': v}) set."""
+  fields = {**SHRINK, 'workdir': str(workdir), **(overrides or {})}
+  return set_fields(grpo_arith.get_config(), fields)
 
 
 def records(workdir):
