@@ -23,6 +23,7 @@ messages, are counted, and never end the episode by themselves.
 """
 
 import ast
+import math
 import operator
 import re
 
@@ -51,20 +52,29 @@ def calculator(expression):
 
   Raises:
     ToolError for syntax errors, anything but arithmetic, division by zero,
-    exponents above 64 and results above 1e12 in magnitude.
+    exponents above 64, numbers or results above 1e12 in magnitude, and
+    results that are not finite real numbers.
   """
   if len(expression) > 200:
     raise ToolError('expression longer than 200 characters')
   try:
     tree = ast.parse(expression.strip(), mode='eval')
-  except SyntaxError:
+  except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: NUL bytes
     raise ToolError('not an arithmetic expression') from None
+
+  def checked(value):
+    # Real and finite: `(-8) ** 0.5` is complex, `1e999` is inf.
+    if not isinstance(value, int | float) or not math.isfinite(value):
+      raise ToolError('result is not a finite real number')
+    if abs(value) > MAX_MAGNITUDE:
+      raise ToolError('result too large')
+    return value
 
   def ev(node):
     if isinstance(node, ast.Expression):
       return ev(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-      return node.value
+      return checked(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
       left, right = ev(node.left), ev(node.right)
       if isinstance(node.op, ast.Pow) and abs(right) > 64:
@@ -73,11 +83,11 @@ def calculator(expression):
         value = _BINARY[type(node.op)](left, right)
       except ZeroDivisionError:
         raise ToolError('division by zero') from None
-      if abs(value) > MAX_MAGNITUDE:
-        raise ToolError('result too large')
-      return value
+      except OverflowError:
+        raise ToolError('result too large') from None
+      return checked(value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-      return _UNARY[type(node.op)](ev(node.operand))
+      return checked(_UNARY[type(node.op)](ev(node.operand)))
     raise ToolError('only numbers and + - * / // % ** ( ) are allowed')
 
   value = ev(tree)

@@ -18,13 +18,33 @@ import numpy as np
 
 from jrl.rewards.base import register
 
-_THINK_ANSWER = re.compile(r'\s*<think>.*?</think>\s*<answer>.*?</answer>\s*', re.DOTALL)
+_JOIN = re.compile(r'</think>\s*<answer>')
+_EDGE_SPACE = re.compile(r'\s*')
+
+
+def _think_answer(text):
+  """Whether `text` is `\\s* <think> ... </think> \\s* <answer> ... </answer> \\s*`.
+
+  The same language as that regular expression with lazy `.*?` groups, decided
+  in linear time: the regex itself backtracks quadratically on a completion
+  holding many `</think>` and no `</answer>` (a policy finds such inputs).
+  """
+  start = _EDGE_SPACE.match(text).end()
+  end = len(text)
+  while end > start and _EDGE_SPACE.fullmatch(text[end - 1]):
+    end -= 1
+  if not (text.startswith('<think>', start) and text.endswith('</answer>', start, end)):
+    return False
+  # The first `</think>\s*<answer>` after `<think>` ends earliest; any split works
+  # only if that one leaves room for `</answer>`.
+  join = _JOIN.search(text, start + len('<think>'), end)
+  return join is not None and join.end() <= end - len('</answer>')
 
 
 @register('format_think_answer')
 def format_think_answer(prompts, completions, metadata):
   del prompts, metadata
-  return [float(_THINK_ANSWER.fullmatch(c) is not None) for c in completions]
+  return [float(_think_answer(c)) for c in completions]
 
 
 @register('boxed_format')

@@ -299,7 +299,9 @@ _PAIRWISE_VALUE = re.compile(r'(?:response\s*)?(a|b|tie)', re.IGNORECASE)
 # The gloss the instruction puts after each form, which a judge may copy.
 _GLOSSES = {'response a is better': 'A', 'response b is better': 'B', 'neither is better': 'tie'}
 _GLOSSED = re.compile(r'(.*?)\s*\(\s*(' + '|'.join(_GLOSSES) + r')\s*\)', re.IGNORECASE)
-_SCORE_VALUE = re.compile(r'([-+]?[0-9]+)(?:\s*(?:/|out\s+of)\s*([0-9]+))?', re.IGNORECASE)
+# At most 9 digits: a longer number is no score on any scale (and int() of one
+# with thousands of digits raises).
+_SCORE_VALUE = re.compile(r'([-+]?[0-9]{1,9})(?:\s*(?:/|out\s+of)\s*([0-9]{1,9}))?', re.IGNORECASE)
 
 
 def _closes(text, tag):

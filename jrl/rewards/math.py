@@ -13,20 +13,38 @@ wrappers, degree signs, a leading "x =", units and trailing words
 `is_equivalent(a, b)` is true when the normalised strings are equal, or
 both are numbers equal within a relative tolerance (fractions, decimals,
 `\\frac` / `\\dfrac` / `\\tfrac`, mixed signs, percentages: "50%" equals
-both "50" and "0.5"), or, when sympy is installed, both parse as
-expressions whose difference simplifies to 0 (`\\sqrt{2}/2` and
+both "50" and "0.5"), or both parse as expressions that math-verify (the
+verifier TRL, veRL and MaxText use) finds equal (`\\sqrt{2}/2` and
 `1/\\sqrt{2}`, `2\\pi` and `\\pi+\\pi`). Tuples and intervals are compared
 element by element.
+
+Model output is hostile data, and nothing here evaluates it as code: numbers
+are read with `Fraction` / `float`, expressions with math-verify's LaTeX
+grammar (never `sympy.parse_expr` / `sympify`, which run Python). Every step
+is bounded: an extracted answer over `MAX_ANSWER_CHARS` is wrong; symbolic
+comparison only for answers up to `MAX_SYMBOLIC_CHARS` whose parsed tree
+passes `_within_bounds` (no exponent towers, huge factorials or numbers of
+more than `MAX_DIGITS` digits), under a `SYMBOLIC_DEADLINE_S` timer in a
+process's main thread (the reward workers). The tests run a corpus of hostile
+completions (tests/rewards/hostile.py) against every registered reward.
 
 Registered rewards: `math_answer` (1 / 0, None when no answer is found) and
 `exact_match` (the stripped completion equals the answer).
 """
 
+import contextlib
+import logging
 import math
 import re
+import signal
+import threading
 from fractions import Fraction
 
 from jrl.rewards.base import register
+
+# math-verify warns once per process that its own (SIGALRM) timeouts are off; ours
+# are on (see `_deadline`).
+logging.getLogger('math_verify').setLevel(logging.ERROR)
 
 _NUMBER = re.compile(r'-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\.\d+')
 _UNIT_WORDS = re.compile(r'(?<=[\d.}%])\s+[a-zA-Z][a-zA-Z .²³/^-]*$')
@@ -131,6 +149,8 @@ def to_number(text):
     return sign * Fraction(num) / Fraction(den) if _exact(num, den) else sign * num / den
   percent = t.endswith('%')
   t = t.rstrip('%')
+  if len(t) > MAX_SYMBOLIC_CHARS or re.search(r'[eE][+-]?\d{4,}', t):
+    return None  # '1e999999999' would build a number of a billion digits
   try:
     value = Fraction(t)
   except (ValueError, ZeroDivisionError):
@@ -153,30 +173,158 @@ def _numbers_equal(a, b, rel_tol):
   return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-12)
 
 
-def _latex_to_sympy(t):
-  t = t.replace('\\cdot', '*').replace('\\times', '*').replace('\\pi', 'pi')
-  t = re.sub(r'\\sqrt\{([^{}]+)\}', r'sqrt(\1)', t)
-  t = re.sub(r'\\sqrt(\d)', r'sqrt(\1)', t)
-  for _ in range(3):
-    t = re.sub(r'\\frac\{([^{}]+)\}\{([^{}]+)\}', r'((\1)/(\2))', t)
-  t = t.replace('{', '(').replace('}', ')').replace('^', '**')
-  if '\\' in t:
-    raise ValueError('unsupported LaTeX')
-  return t
+# Symbolic equivalence ------------------------------------------------------------
+#
+# Answers are model output: hostile data. They are parsed by math-verify's LaTeX
+# grammar (latex2sympy2_extended, an ANTLR parser that builds sympy objects
+# from a fixed set of tokens and never evaluates text as Python) and compared
+# with math-verify's `verify`. Before anything is simplified, the parsed tree
+# must pass `_within_bounds`: a bounded number of nodes and a bounded size of
+# every number it denotes, so that exponent towers (2^{2^{2^{100}}}), huge
+# factorials and deep nesting are refused without being computed. The
+# comparison itself runs under a deadline (`SYMBOLIC_DEADLINE_S`, a SIGALRM
+# timer) where the caller is a process's main thread, as in the reward
+# worker processes; in other threads the bounds are the only guard and the
+# reward service's own timeout is the last one.
+
+MAX_ANSWER_CHARS = 1000  # a longer extracted answer is wrong, never parsed
+MAX_SYMBOLIC_CHARS = 200  # longer answers are compared as strings and numbers only
+MAX_DEPTH = 10  # nesting of brackets in a symbolic answer (the parser slows with depth)
+MAX_NODES = 400  # nodes of a parsed expression
+MAX_DIGITS = 20_000  # decimal digits any number in an expression may denote
+MAX_EXPONENT = 1000  # |exponent| of a power, |n| of a factorial or binomial
+SYMBOLIC_DEADLINE_S = 2.0
+
+
+class _Deadline(BaseException):
+  """The symbolic comparison ran out of time. A BaseException, so that the
+  `except Exception` blocks inside sympy and math-verify do not swallow it."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+  """Raises `_Deadline` inside the block after `seconds` (main thread only;
+  elsewhere a no-op)."""
+  if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+    yield
+    return
+
+  def expire(signum, frame):
+    del signum, frame
+    raise _Deadline(f'symbolic comparison exceeded {seconds:g} s')
+
+  previous = signal.signal(signal.SIGALRM, expire)
+  # Fires again every 50 ms until cleared, in case one is swallowed anyway.
+  signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
+  try:
+    yield
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _nesting_depth(text):
+  depth = deepest = 0
+  for ch in text:
+    if ch in '([{':
+      depth += 1
+      deepest = max(deepest, depth)
+    elif ch in ')]}':
+      depth -= 1
+  return deepest
+
+
+def _digits(number):
+  """Decimal digits of a sympy Rational's numerator and denominator."""
+  p, q = abs(int(number.p)), abs(int(number.q))
+  return max(1, p.bit_length() * 30103 // 100000 + 1) + max(0, q.bit_length() * 30103 // 100000)
+
+
+def _number_atoms(expr):
+  import sympy
+
+  return [a for a in sympy.preorder_traversal(expr) if isinstance(a, sympy.Number)]
+
+
+def _within_bounds(expr):
+  """Whether simplifying `expr` (a parsed sympy object) stays small.
+
+  Sums, products, integrals, limits and derivatives are refused. Every
+  power's exponent and every factorial's argument must be free of powers and
+  factorials and hold numbers of magnitude <= MAX_EXPONENT; the numbers under
+  a power count that many times over (scale), and no number may then denote
+  more than MAX_DIGITS digits.
+  """
+  import sympy
+  from sympy.concrete.expr_with_limits import ExprWithLimits
+  from sympy.functions.combinatorial.factorials import CombinatorialFunction
+
+  unbounded = (ExprWithLimits, sympy.Limit, sympy.Derivative)  # sums, products, integrals
+  nodes = 0
+  stack = [(expr, 1)]
+  while stack:
+    node, scale = stack.pop()
+    nodes += 1
+    if nodes > MAX_NODES or isinstance(node, unbounded):
+      return False
+    if isinstance(node, sympy.Rational):
+      if _digits(node) * scale > MAX_DIGITS:
+        return False
+      continue
+    if isinstance(node, sympy.Float):
+      if abs(node) > 10**MAX_EXPONENT:
+        return False
+      continue
+    if isinstance(node, sympy.Pow | sympy.exp | CombinatorialFunction):
+      inner = node.args[1:] if isinstance(node, sympy.Pow) else node.args
+      for arg in inner:
+        if arg.has(sympy.Pow, sympy.exp, CombinatorialFunction):
+          return False  # towers: 2^{2^{n}}, (n!)!, e^{e^{n}}
+        numbers = _number_atoms(arg)
+        magnitude = max([1] + [abs(float(n)) for n in numbers])
+        if magnitude > MAX_EXPONENT or len(numbers) > MAX_NODES:
+          return False
+        scale *= max(1, int(magnitude))
+        if scale > MAX_DIGITS:
+          return False
+      if isinstance(node, sympy.Pow):
+        stack.append((node.base, scale))
+      continue
+    stack.extend((arg, scale) for arg in getattr(node, 'args', ()))
+  return True
+
+
+def _parse_symbolic(text):
+  """The sympy object math-verify's LaTeX grammar makes of `text`, or None."""
+  import math_verify
+
+  parsed = math_verify.parse(
+    '$' + text + '$',
+    extraction_config=[math_verify.LatexExtractionConfig()],
+    parsing_timeout=None,  # our own deadline is around the caller
+  )
+  return parsed[0] if parsed and not isinstance(parsed[0], str) else None
 
 
 def _symbolic_equal(a, b):
+  """Whether normalised answers `a` (prediction) and `b` (reference) are
+  equal as expressions; False whenever that cannot be decided within bounds."""
+  for text in (a, b):
+    if len(text) > MAX_SYMBOLIC_CHARS or _nesting_depth(text) > MAX_DEPTH:
+      return False
+  import math_verify
+
   try:
-    import sympy
-    from sympy.parsing import sympy_parser as sp
-  except ImportError:
+    with _deadline(SYMBOLIC_DEADLINE_S):
+      pred, gold = _parse_symbolic(a), _parse_symbolic(b)
+      if pred is None or gold is None:
+        return False
+      if not (_within_bounds(pred) and _within_bounds(gold)):
+        return False
+      return bool(math_verify.verify(gold, pred, timeout_seconds=None))
+  except (_Deadline, RecursionError, MemoryError, OverflowError):
     return False
-  transformations = sp.standard_transformations + (sp.implicit_multiplication_application,)
-  try:
-    ea = sp.parse_expr(_latex_to_sympy(a), transformations=transformations, evaluate=True)
-    eb = sp.parse_expr(_latex_to_sympy(b), transformations=transformations, evaluate=True)
-    return bool(sympy.simplify(ea - eb) == 0)
-  except Exception:  # anything sympy cannot parse or decide is "not equal"
+  except Exception:  # anything the parser or sympy cannot decide is "not equal"
     return False
 
 
@@ -188,6 +336,8 @@ def _split_tuple(t):
 
 def is_equivalent(a, b, rel_tol=1e-6):
   """Whether two answers denote the same value (see the module docstring)."""
+  if a is None or b is None or len(str(a)) > MAX_ANSWER_CHARS or len(str(b)) > MAX_ANSWER_CHARS:
+    return False
   na, nb = normalize(a), normalize(b)
   if na is None or nb is None or not na or not nb:
     return False
@@ -210,9 +360,8 @@ def is_equivalent(a, b, rel_tol=1e-6):
     if pa != pb:
       return _numbers_equal(va * (100 if pa else 1), vb * (100 if pb else 1), rel_tol)
     return False
-  if va is not None or vb is not None:
-    # One side numeric, the other not: only sympy can still say equal (e.g. 2\sqrt{2}).
-    return _symbolic_equal(na, nb)
+  # Not both plain numbers: only a symbolic comparison can still say equal
+  # (2\sqrt{2} and \sqrt{8}, x^2+2x+1 and (x+1)^2).
   return _symbolic_equal(na, nb)
 
 
