@@ -1,0 +1,228 @@
+"""Tests for `jrl.checkpoint`: checksums, non-finite refusal and the fallback
+to the newest intact step.
+
+Small train states (a [64, 64] random matrix, a bias, an optax Adam state
+after one update) are saved for steps 1, 2 and 3, then files of a step are
+damaged on disk the way a bad disk or a partial copy would: 4 KiB of flipped
+bytes, a truncated file, a deleted file. The last test damages the latest
+checkpoint of a shrunken real run (`configs/grpo_arith.py`, SFT only) and
+checks that the restarted run resumes from the step before and ends where the
+uninterrupted run ended.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from jrl import checkpoint as ckpt_lib
+from jrl.trainers import common, loop
+from tests.trainers.test_grpo_loop import QUIET, assert_trees_equal, shrunk_config
+
+STEPS = (1, 2, 3)
+
+
+def make_state(seed, nan_at=None):
+  """A TrainState with params {'w': [64, 64], 'b': [64]} float32 and an Adam
+  state after one update; `nan_at` ('mu' or 'nu') puts a NaN in that moment of 'w'."""
+  key_w, key_g = jax.random.split(jax.random.key(seed))
+  params = {'w': jax.random.normal(key_w, (64, 64)), 'b': jnp.full((64,), 0.1 * seed)}
+  tx = optax.adam(1e-2)
+  grads = jax.tree.map(lambda p: jax.random.normal(key_g, p.shape), params)
+  updates, opt_state = tx.update(grads, tx.init(params), params)
+  state = common.TrainState(jnp.int32(seed), optax.apply_updates(params, updates), opt_state, {})
+  if nan_at is not None:
+    adam = state.opt_state[0]
+    moment = getattr(adam, nan_at)
+    moment = {**moment, 'w': moment['w'].at[3, 5].set(jnp.nan)}
+    state = state._replace(opt_state=(adam._replace(**{nan_at: moment}), *state.opt_state[1:]))
+  return state
+
+
+def save_steps(directory, states, *, async_save=True):
+  checkpointer = ckpt_lib.Checkpointer(directory, async_save=async_save)
+  for step, state in states.items():
+    checkpointer.save(step, state, {'iteration': step})
+  checkpointer.close()
+
+
+@pytest.fixture
+def saved(tmp_path):
+  """(checkpoint directory, {step: state}) with steps 1, 2, 3 saved."""
+  directory = str(tmp_path / 'checkpoints')
+  states = {step: make_state(step) for step in STEPS}
+  save_steps(directory, states)
+  return directory, states
+
+
+def data_file(directory, step):
+  """Path (relative to the step directory) of the largest array data file of `step`."""
+  step_dir = os.path.join(directory, str(step))
+  files = [
+    os.path.relpath(os.path.join(root, name), step_dir)
+    for root, _, names in os.walk(os.path.join(step_dir, 'state'))
+    for name in names
+  ]
+  rel = max(files, key=lambda f: os.path.getsize(os.path.join(step_dir, f)))
+  assert os.path.getsize(os.path.join(step_dir, rel)) > 8192, 'expected a data file over 8 KiB'
+  return rel
+
+
+def damage(directory, step, how):
+  """Damages the largest data file of `step`; returns its path relative to the step directory."""
+  rel = data_file(directory, step)
+  path = os.path.join(directory, str(step), rel)
+  if how == 'flip':  # 4 KiB of flipped bytes, from 1 KiB in
+    with open(path, 'r+b') as f:
+      f.seek(1024)
+      chunk = f.read(4096)
+      f.seek(1024)
+      f.write(bytes(b ^ 0xFF for b in chunk))
+  elif how == 'truncate':
+    os.truncate(path, os.path.getsize(path) // 2)
+  elif how == 'delete':
+    os.remove(path)
+  else:
+    raise ValueError(how)
+  return rel
+
+
+def restore_latest(directory, like):
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  try:
+    return checkpointer.restore_latest_intact(ckpt_lib.abstract_like(like))
+  finally:
+    checkpointer.close()
+
+
+@pytest.mark.parametrize('async_save', [True, False])
+def test_round_trip_is_bit_exact_and_every_step_is_checksummed(tmp_path, async_save):
+  directory = str(tmp_path / 'checkpoints')
+  states = {step: make_state(step) for step in STEPS}
+  checkpointer = ckpt_lib.Checkpointer(directory, async_save=async_save)
+  checkpointer.save(1, states[1], {'iteration': 1})
+  checkpointer.save(2, states[2], {'iteration': 2})
+  # Saving step 2 waited for step 1 and wrote its manifest.
+  assert os.path.isfile(os.path.join(directory, '1', ckpt_lib.MANIFEST))
+  checkpointer.save(3, states[3], {'iteration': 3})
+  checkpointer.wait()
+  for step in STEPS:
+    assert checkpointer.verify(step) is True
+    restored, meta = checkpointer.restore(step, ckpt_lib.abstract_like(states[step]))
+    assert meta == {'iteration': step}
+    assert_trees_equal(restored, states[step])
+  checkpointer.close()
+  assert sorted(os.listdir(directory), key=int) == ['1', '2', '3']
+
+
+@pytest.mark.parametrize('how', ['flip', 'truncate', 'delete'])
+def test_damaged_latest_step_falls_back_to_the_previous_one(saved, how, capsys):
+  directory, states = saved
+  rel = damage(directory, 3, how)
+  step, state, meta = restore_latest(directory, states[3])
+  assert step == 2 and meta == {'iteration': 2}
+  assert_trees_equal(state, states[2])
+  out = capsys.readouterr().out
+  assert 'checkpoint step 3 is damaged' in out
+  assert f'{directory}/3: file {rel}' in out
+  # The damaged step is set aside, so that the resumed run can save step 3 again.
+  assert sorted(os.listdir(directory), key=int) == ['1', '2']
+  assert os.path.isfile(os.path.join(f'{directory}.damaged', '3', rel)) == (how != 'delete')
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  checkpointer.save(3, states[3], {'iteration': 3})
+  checkpointer.close()
+  assert restore_latest(directory, states[3])[0] == 3
+
+
+def test_restoring_a_damaged_step_names_the_step_directory_and_the_file(saved):
+  directory, states = saved
+  rel = damage(directory, 3, 'flip')
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  with pytest.raises(ckpt_lib.CheckpointError, match='SHA-256') as info:
+    checkpointer.restore(3, ckpt_lib.abstract_like(states[3]))
+  assert f'{directory}/3: file {rel}' in str(info.value)
+  assert 'is damaged' in checkpointer.describe_latest() and rel in checkpointer.describe_latest()
+  checkpointer.close()
+
+
+def test_a_saved_nan_is_refused_naming_the_leaf_and_the_step(tmp_path, capsys):
+  directory = str(tmp_path / 'checkpoints')
+  states = {1: make_state(1), 2: make_state(2), 3: make_state(3, nan_at='mu')}
+  save_steps(directory, states)
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  with pytest.raises(ValueError, match='non-finite') as info:
+    checkpointer.restore(3, ckpt_lib.abstract_like(states[2]))
+  assert isinstance(info.value, ckpt_lib.CheckpointError)
+  assert checkpointer.verify(3)  # the files are as written: the values are the problem
+  checkpointer.close()
+  assert 'opt_state/0/mu/w' in str(info.value) and '(step 3)' in str(info.value)
+  assert 'nu' not in str(info.value) and 'params' not in str(info.value)
+  step, state, _ = restore_latest(directory, states[2])
+  assert step == 2
+  assert_trees_equal(state, states[2])
+  assert 'opt_state/0/mu/w' in capsys.readouterr().out
+
+
+def test_no_intact_step_raises_naming_the_directory_and_every_step(saved):
+  directory, states = saved
+  problems = {1: damage(directory, 1, 'delete'), 2: damage(directory, 2, 'flip')}
+  problems[3] = damage(directory, 3, 'truncate')
+  with pytest.raises(ckpt_lib.CheckpointError, match='no intact checkpoint') as info:
+    restore_latest(directory, states[3])
+  message = str(info.value)
+  assert message.startswith(directory)
+  for step, rel in problems.items():
+    assert f'step {step}: {directory}/{step}: file {rel}' in message
+  assert 'missing' in message and 'SHA-256' in message and 'bytes' in message
+  # Nothing was moved: a person decides what to do with them.
+  assert sorted(os.listdir(directory), key=int) == ['1', '2', '3']
+
+
+def test_an_empty_directory_starts_fresh(tmp_path):
+  assert restore_latest(str(tmp_path / 'checkpoints'), make_state(1)) == (None, None, None)
+
+
+def test_a_step_saved_without_checksums_still_restores(tmp_path, capsys):
+  """Steps written the way jrl wrote them before checksums (no manifest)."""
+  directory = str(tmp_path / 'checkpoints')
+  states = {step: make_state(step) for step in STEPS}
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True))
+  for step, state in states.items():
+    items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave({'iteration': step})}
+    manager.save(step, args=ocp.args.Composite(**items))
+  manager.close()
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  assert checkpointer.verify(3) is False
+  assert 'has no checksums' in checkpointer.describe_latest()
+  checkpointer.close()
+  step, state, meta = restore_latest(directory, states[3])
+  assert step == 3 and meta == {'iteration': 3}
+  assert_trees_equal(state, states[3])
+  assert f'{directory}/3 has no checksums' in capsys.readouterr().out
+
+
+def test_the_run_resumes_from_the_step_before_a_damaged_latest_checkpoint(tmp_path, capsys):
+  """A shrunken real job (3 SFT iterations, a checkpoint after each): damage the
+  last checkpoint; the restart redoes iteration 3 from checkpoint 2 and ends
+  with the same state as the uninterrupted run."""
+  overrides = {**QUIET, 'sft.steps': 3, 'rl.steps': 0, 'checkpoint.every': 1}
+  straight = tmp_path / 'straight'
+  state = loop.run(shrunk_config(straight, overrides))
+  resumed = tmp_path / 'resumed'
+  shutil.copytree(straight, resumed)
+  ckdir = str(resumed / 'checkpoints')
+  rel = damage(ckdir, 3, 'flip')
+  capsys.readouterr()
+  resumed_state = loop.run(shrunk_config(resumed, overrides))
+  out = capsys.readouterr().out
+  assert 'checkpoint step 3 is damaged' in out and rel in out
+  assert f'resumed from {ckdir}/2 (iteration 2)' in out
+  assert_trees_equal(resumed_state, state)
+  # The redone step 3 was saved afresh, with its checksums.
+  checkpointer = ckpt_lib.Checkpointer(ckdir)
+  assert checkpointer.latest_step() == 3 and checkpointer.verify(3)
+  checkpointer.close()
