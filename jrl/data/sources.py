@@ -6,7 +6,9 @@ the number of examples consumed, which goes into every checkpoint so that a
 resumed run sees exactly the prompts it would have seen.
 
 JSONL readers check every row and raise `ValueError` naming the file and the
-line of the first bad one; nothing is silently dropped.
+line of the first bad one (invalid UTF-8 or JSON, a missing or mistyped
+field, or whatever the caller's `check` refuses, e.g. a character the
+tokenizer cannot encode); nothing is silently dropped.
 """
 
 import json
@@ -64,8 +66,16 @@ def _read_rows(path):
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path}: file not found.')
   rows = []
-  with open(path, encoding='utf-8') as f:
-    for lineno, line in enumerate(f, 1):
+  # Bytes, decoded line by line, so that invalid UTF-8 is reported with its line.
+  with open(path, 'rb') as f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode('utf-8')
+      except UnicodeDecodeError as e:
+        raise ValueError(
+          f'{path}:{lineno}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: '
+          f'{e.reason}).'
+        ) from None
       if not line.strip():
         continue
       try:
@@ -99,8 +109,25 @@ def _text_field(path, lineno, row, name, required=True):
   return value
 
 
-def read_jsonl(path, *, answer_field='answer', require_answer=True):
+def _checked(path, lineno, item, check):
+  """`item`, after `check(item)` (None: no check) passed; its ValueError gets the line."""
+  if check is not None:
+    try:
+      check(item)
+    except ValueError as e:
+      raise ValueError(f'{path}:{lineno}: {e}') from None
+  return item
+
+
+def read_jsonl(path, *, answer_field='answer', require_answer=True, check=None):
   """Prompt rows: {"prompt": str | messages, "answer": str, ...extra metadata}.
+
+  Args:
+    path: the JSONL file.
+    answer_field: the row's answer field.
+    require_answer: refuse rows without one.
+    check: called on every row read (the dict returned for it); a ValueError
+      it raises is re-raised with the file and line.
 
   Returns:
     list of dicts with 'prompt', 'answer' and the row's other fields.
@@ -114,25 +141,26 @@ def read_jsonl(path, *, answer_field='answer', require_answer=True):
     if answer is not None and not isinstance(answer, str | int | float):
       raise ValueError(f'{path}:{lineno}: field `{answer_field}` must be a string or number.')
     extra = {k: v for k, v in row.items() if k not in ('prompt', answer_field)}
-    out.append({'prompt': prompt, 'answer': None if answer is None else str(answer), **extra})
+    item = {'prompt': prompt, 'answer': None if answer is None else str(answer), **extra}
+    out.append(_checked(path, lineno, item, check))
   return out
 
 
-def read_sft_jsonl(path):
-  """SFT rows: {"prompt": str | messages, "response": str}."""
+def read_sft_jsonl(path, *, check=None):
+  """SFT rows: {"prompt": str | messages, "response": str} (`check` as in `read_jsonl`)."""
   out = []
   for lineno, row in _read_rows(path):
-    out.append(
-      {
-        'prompt': _text_field(path, lineno, row, 'prompt'),
-        'response': _text_field(path, lineno, row, 'response'),
-      }
-    )
+    item = {
+      'prompt': _text_field(path, lineno, row, 'prompt'),
+      'response': _text_field(path, lineno, row, 'response'),
+    }
+    out.append(_checked(path, lineno, item, check))
   return out
 
 
-def read_preference_jsonl(path):
-  """Preference rows: {"prompt": str | messages, "chosen": str, "rejected": str}."""
+def read_preference_jsonl(path, *, check=None):
+  """Preference rows: {"prompt": str | messages, "chosen": str, "rejected": str}
+  (`check` as in `read_jsonl`)."""
   out = []
   for lineno, row in _read_rows(path):
     item = {
@@ -142,7 +170,7 @@ def read_preference_jsonl(path):
     }
     if item['chosen'] == item['rejected']:
       raise ValueError(f'{path}:{lineno}: `chosen` and `rejected` are identical.')
-    out.append(item)
+    out.append(_checked(path, lineno, item, check))
   return out
 
 

@@ -140,6 +140,11 @@ class ModelConfig:
         f'{source}: unsupported architecture `architectures`={archs!r} '
         f'(model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}.'
       )
+    if model_type is not None and model_type != family:
+      raise ValueError(
+        f'{source}: `model_type`={model_type!r} contradicts `architectures`={archs!r} '
+        f'(a {family} model); fix one of them.'
+      )
     act = hf.get('hidden_act', 'silu')
     if act != 'silu':
       raise ValueError(f'{source}: `hidden_act`={act!r} is not supported (only "silu").')

@@ -8,7 +8,10 @@ back with Hugging Face names and layouts, in their stored dtype, so that
 load → save is bit-exact and `transformers` reads the result.
 
 Nothing is downloaded and pickle files (`*.bin`, `*.pt`, `*.pth`) are never
-read.
+read. A tensor is refused, with its file and name, if its shape differs from
+the one config.json implies, if it is not stored as a float type (F16, BF16,
+F32, F64: an int8 tensor is a quantised checkpoint, not weights), or if it
+holds NaN or Inf (or values the requested `param_dtype` cannot hold).
 
 Name map (jrl path -> Hugging Face name; kernels are stored [in, out] here
 and [out, in] there):
@@ -32,15 +35,17 @@ import shutil
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jrl import distributed, parallel
 from jrl.models import transformer
 from jrl.models.config import ModelConfig
-from jrl.models.safetensors_io import SafetensorsFile, save_file
+from jrl.models.safetensors_io import DTYPES, SafetensorsFile, save_file
 
 _PICKLE_PATTERNS = ('*.bin', '*.pt', '*.pth', '*.ckpt', '*.pkl')
 _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints carry
 _INDEX = 'model.safetensors.index.json'
+_FLOAT_DTYPES = tuple(DTYPES[k] for k in ('F16', 'BF16', 'F32', 'F64'))  # weights must be one
 _COPIED_FILES = (
   'tokenizer.json',
   'tokenizer_config.json',
@@ -93,7 +98,7 @@ def _read_json(path):
   try:
     with open(path, encoding='utf-8') as f:
       return json.load(f)
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f'{path}: invalid JSON ({e}).') from None
 
 
@@ -146,6 +151,21 @@ def _open_files(path):
         raise ValueError(f'{fpath}: tensor `{name}` also appears in {names[name].path}.')
       names[name] = f
   return names
+
+
+def _check_finite(file_path, name, stored, cast):
+  """Refuses NaN / Inf in a tensor (read slice), and values that overflow the cast."""
+  if np.isfinite(cast).all():
+    return
+  nan = int(np.isnan(stored).sum())
+  inf = int(np.isinf(stored).sum())
+  if nan or inf:
+    what = ' and '.join(f'{n} {kind}' for n, kind in ((nan, 'NaN'), (inf, 'Inf')) if n)
+    raise ValueError(f'{file_path}: tensor `{name}` contains NaN or Inf ({what} values).')
+  raise ValueError(
+    f'{file_path}: tensor `{name}` has values beyond the range of {cast.dtype.name} '
+    f'(largest magnitude {float(np.abs(stored.astype(np.float64)).max()):.3g}).'
+  )
 
 
 def load(
@@ -205,13 +225,21 @@ def load(
         f'{f.path}: tensor `{name}` has shape {list(f.shape(name))}, expected '
         f'{list(expected)} from config.json.'
       )
+    stored_dtype = f.dtype(name)
+    if stored_dtype not in _FLOAT_DTYPES:
+      raise ValueError(
+        f'{f.path}: tensor `{name}` has dtype {stored_dtype.name}, expected a float type '
+        '(F16, BF16, F32 or F64).'
+      )
     used.add(name)
     dtype = leaf.dtype
 
     def read(index):
-      if transposed:
-        return f.read(name, index[::-1]).T.astype(dtype)
-      return f.read(name, index).astype(dtype)
+      stored = f.read(name, index[::-1]).T if transposed else f.read(name, index)
+      with np.errstate(over='ignore'):  # an overflow is reported by `_check_finite`
+        out = stored.astype(dtype)
+      _check_finite(f.path, name, stored, out)
+      return out
 
     return jax.make_array_from_callback(leaf.shape, sharding, read)
 

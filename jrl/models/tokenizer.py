@@ -92,8 +92,11 @@ class HFTokenizer:
     # As in Hugging Face, a separate template file takes priority over the config's.
     jinja_path = os.path.join(path, 'chat_template.jinja')
     if os.path.exists(jinja_path):
-      with open(jinja_path, encoding='utf-8') as f:
-        template = f.read()
+      try:
+        with open(jinja_path, encoding='utf-8') as f:
+          template = f.read()
+      except UnicodeDecodeError as e:
+        raise ValueError(f'{jinja_path}: invalid UTF-8 ({e}).') from None
     gen = _read_optional_json(os.path.join(path, 'generation_config.json'))
     extra = gen.get('eos_token_id', [])
     extra = [extra] if isinstance(extra, int) else list(extra or [])
@@ -172,7 +175,10 @@ class CharTokenizer:
     ids = []
     for pos, ch in enumerate(text):
       if ch not in self._index:
-        raise ValueError(f'character {ch!r} at offset {pos} is not in the character vocabulary.')
+        raise ValueError(
+          f"character {ch!r} (U+{ord(ch):04X}) at offset {pos} is not in the char tokenizer's "
+          'vocabulary (newline and printable ASCII).'
+        )
       ids.append(self._index[ch])
     return [self.bos_id, *ids] if add_special_tokens else ids
 

@@ -113,7 +113,8 @@ class DPOTrainer(loop.Trainer):
       raise ValueError(f'`dpo.pairs_per_step` must be >= 1, got {d.pairs_per_step}.')
     if d.train_path:
       self.pairs = PromptStream(
-        read_preference_jsonl(d.train_path), seed=loop._seed(self.config.seed, 'dpo')
+        read_preference_jsonl(d.train_path, check=self.example_checker.pair),
+        seed=loop._seed(self.config.seed, 'dpo'),
       )
       self.streams['dpo_stream'] = self.pairs
     elif self.config.task.kind == 'arith':

@@ -94,11 +94,13 @@ class RewardModelTrainer(loop.Trainer):
         f'`rm.pairs_per_step` x 2 must be divisible by the mesh batch axes ({shards}).'
       )
     if rm.train_path:
+      # Chosen and rejected are scored without an eos token.
+      check = functools.partial(self.example_checker.pair, eos=False)
       self.pairs = PromptStream(
-        read_preference_jsonl(rm.train_path), seed=loop._seed(config.seed, 'rm')
+        read_preference_jsonl(rm.train_path, check=check), seed=loop._seed(config.seed, 'rm')
       )
       self.streams['rm_stream'] = self.pairs
-      self.held_out_pairs = read_preference_jsonl(rm.eval_path) if rm.eval_path else []
+      self.held_out_pairs = read_preference_jsonl(rm.eval_path, check=check) if rm.eval_path else []
     elif config.task.kind == 'arith':
       self.pairs = None  # made from the task stream
       self.held_out_pairs = arith_pairs(self.task.held_out, loop._seed(config.seed, 'rm_eval'))

@@ -721,8 +721,20 @@ def test_invalid_json_config(llama_dir, tmp_path):
     (lambda c: c.update(rope_parameters={'rope_type': 'yarn', 'factor': 2.0}), 'yarn'),
     (lambda c: c['rope_parameters'].pop('low_freq_factor'), 'low_freq_factor'),
     (lambda c: c.update(num_key_value_heads=3), 'num_kv_heads'),
+    # A Llama architecture labelled as another family was loaded silently as Llama.
+    (lambda c: c.update(model_type='qwen2'), r"`model_type`='qwen2' contradicts `architectures`"),
   ],
-  ids=['gpt2', 'no_hidden_size', 'no_vocab_size', 'sliding', 'gelu', 'yarn', 'rope_key', 'gqa'],
+  ids=[
+    'gpt2',
+    'no_hidden_size',
+    'no_vocab_size',
+    'sliding',
+    'gelu',
+    'yarn',
+    'rope_key',
+    'gqa',
+    'model_type',
+  ],
 )
 def test_bad_config_field_is_named(llama_dir, tmp_path, edit, match):
   path = _copy(llama_dir, tmp_path / 'ckpt')
@@ -740,6 +752,76 @@ def test_wrong_tensor_shape_names_tensor_and_file(llama_dir, tmp_path):
     hf.load(path)
   assert st_path in str(info.value)
   assert '[32, 80]' in str(info.value) and '[80, 32]' in str(info.value)
+
+
+def test_config_json_invalid_utf8_names_the_file(llama_dir, tmp_path):
+  # Before: a bare UnicodeDecodeError that named no file.
+  path = _copy(llama_dir, tmp_path / 'ckpt')
+  with open(os.path.join(path, 'config.json'), 'wb') as f:
+    f.write(b'{"model_type": "ll\xffama"}')
+  with pytest.raises(ValueError, match=r'config\.json: invalid JSON'):
+    hf.load(path)
+
+
+@pytest.mark.parametrize('dtype', [np.int8, np.uint8, np.int32, np.bool_])
+def test_integer_tensor_for_a_float_weight_is_refused(llama_dir, tmp_path, dtype):
+  # Before: cast to float32 and loaded silently (an int8 tensor is quantised
+  # data, not weights).
+  path = _copy(llama_dir, tmp_path / 'ckpt')
+  name = 'model.layers.0.mlp.up_proj.weight'
+  st_path = _edit_tensors(path, lambda t: t.update({name: np.ones_like(t[name], dtype)}))
+  with pytest.raises(
+    ValueError, match=re.escape(f'{name}` has dtype {np.dtype(dtype).name}')
+  ) as info:
+    hf.load(path)
+  assert st_path in str(info.value) and 'expected a float type' in str(info.value)
+
+
+@pytest.mark.parametrize(
+  ('value', 'dtype', 'match'),
+  [
+    (np.nan, np.float32, r'contains NaN or Inf \(2 NaN values\)'),
+    (-np.inf, np.float32, r'contains NaN or Inf \(2 Inf values\)'),
+    (np.nan, ml_dtypes.bfloat16, r'contains NaN or Inf \(2 NaN values\)'),
+  ],
+  ids=['nan', 'inf', 'nan_bf16'],
+)
+def test_non_finite_weights_are_refused(llama_dir, tmp_path, value, dtype, match):
+  # Before: loaded silently; the first forward pass returned NaN logits.
+  path = _copy(llama_dir, tmp_path / 'ckpt')
+  name = 'model.layers.1.self_attn.q_proj.weight'
+
+  def poison(tensors):
+    for key in tensors:
+      tensors[key] = tensors[key].astype(dtype)
+    tensors[name][3, 5] = tensors[name][7, 1] = value
+
+  st_path = _edit_tensors(path, poison)
+  with pytest.raises(ValueError, match=re.escape(f'`{name}`') + ' ' + match) as info:
+    hf.load(path)
+  assert st_path in str(info.value)
+
+
+def test_non_finite_weights_are_refused_on_a_mesh(llama_dir, tmp_path, mesh):
+  # Each device checks the slice it reads.
+  path = _copy(llama_dir, tmp_path / 'ckpt')
+  name = 'model.embed_tokens.weight'
+  _edit_tensors(path, lambda t: t[name].__setitem__((-1, -1), np.nan))
+  with pytest.raises(ValueError, match=re.escape(f'`{name}` contains NaN')):
+    hf.load(path, mesh=mesh)
+
+
+def test_weights_overflowing_param_dtype_are_refused(llama_dir, tmp_path):
+  # 1e6 is finite in float32 but inf in float16: loading with
+  # param_dtype='float16' used to turn it into inf silently.
+  path = _copy(llama_dir, tmp_path / 'ckpt')
+  name = 'model.norm.weight'
+  _edit_tensors(path, lambda t: t[name].__setitem__(0, 1e6))
+  hf.load(path)  # float32: fine
+  with pytest.raises(
+    ValueError, match=re.escape(f'`{name}` has values beyond the range of float16')
+  ):
+    hf.load(path, param_dtype='float16')
 
 
 def test_truncated_file(llama_dir, tmp_path):

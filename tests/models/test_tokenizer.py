@@ -11,6 +11,7 @@ hand-written expected prompts.
 import datetime
 import json
 import os
+import re
 import string
 
 import jinja2
@@ -377,6 +378,16 @@ def test_chat_template_jinja_file_without_tokenizer_config(tmp_path, trained):
   assert (tok.bos_id, tok.eos_ids, tok.pad_id) == (None, (), 0)
 
 
+def test_chat_template_jinja_file_with_invalid_utf8_names_the_file(tmp_path, trained):
+  # Before: a bare UnicodeDecodeError that named no file.
+  path = _make_dir(tmp_path, trained)
+  jinja_path = os.path.join(path, 'chat_template.jinja')
+  with open(jinja_path, 'wb') as f:
+    f.write(b'{{ messages | length }} \xff messages')
+  with pytest.raises(ValueError, match=re.escape(f'{jinja_path}: invalid UTF-8')):
+    T.HFTokenizer.from_dir(path)
+
+
 def test_chat_template_jinja_file_takes_priority_like_transformers(tmp_path, trained):
   """transformers: "If independent chat template file(s) exist, they take priority
   over template entries in the tokenizer config"."""
@@ -605,6 +616,7 @@ def test_char_out_of_vocabulary_raises(text, char, offset):
   message = str(info.value)
   assert repr(char) in message
   assert f'offset {offset}' in message
+  assert f'(U+{ord(char):04X})' in message and "not in the char tokenizer's vocabulary" in message
 
 
 @pytest.mark.parametrize('bad_id', [99, 100, 10**6, -1, -3, -4])

@@ -151,7 +151,7 @@ def test_reward_model_config_errors_name_the_field(tmp_path, pipeline):
   config = shrunk_config(
     str(tmp_path), {'algorithm': 'reward_model', 'model.path': pipeline['sft_export']}
   )
-  with_section(config, 'rm', config_common.rm_section(), center_coef=-1.0)
+  with_section(config, 'rm', config_common.rm_section())
   with pytest.raises(ValueError, match=r'`sft\.steps`'):
     loop.make_trainer(config)
   config = shrunk_config(
