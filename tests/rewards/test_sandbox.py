@@ -13,10 +13,13 @@ the degraded behaviour the module documents instead of skipping.
 
 import ast
 import dataclasses
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -25,6 +28,7 @@ import pytest
 
 from jrl.rewards import code, sandbox
 from jrl.rewards.base import get_reward_fn
+from jrl.rewards.service import RewardService
 
 CAPS = sandbox.capabilities()
 MiB = sandbox.MiB
@@ -104,6 +108,15 @@ def test_capabilities_are_reported_and_the_sandbox_works():
     assert isinstance(CAPS[key], bool), key
   assert CAPS['rlimits'] and CAPS['process_group']
   assert CAPS['self_test'] == 'ok', CAPS
+  assert CAPS['cgroup'] in ('cgroup2', 'cgroup1', None)
+  assert CAPS['memory_total'] == ('cgroup' if CAPS['cgroup'] else CAPS['memory_total'])
+  assert CAPS['memory_total'] in ('cgroup', 'watchdog', 'per_process')
+  assert sandbox.isolation_level() == CAPS['isolation'] in sandbox.ISOLATION_LEVELS
+  assert sandbox.isolation_metric() == sandbox.ISOLATION_LEVELS.index(CAPS['isolation'])
+  if CAPS['isolation'] in ('full', 'no_cgroup'):
+    assert CAPS['mount_namespace'] and CAPS['private_proc'] and CAPS['network_namespace']
+  else:
+    assert CAPS['notes']
   assert CAPS['root'] or not CAPS['uid_drop']  # only root can drop to another uid
   notes = ' '.join(CAPS['notes'])
   if CAPS['root'] and not CAPS['uid_drop']:
@@ -565,6 +578,272 @@ def test_every_adversarial_program_scores_zero():
   scores = get_reward_fn('code_tests')([''] * len(sources), completions, meta)
   assert scores == [0.0] * len(sources)
   still_works()
+
+
+# What the program sees ----------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SLOW = dataclasses.replace(FAST, wall_seconds=10, cpu_seconds=5)
+
+FINDER = """
+import json
+want = sys.stdin.read()
+for path in {paths!r}:  # where the test put them, if the program could guess
+  try:
+    print('READ', path, open(path).read(), flush=True)
+  except OSError as e:
+    pass
+skip = {{'proc', 'sys', 'dev', 'usr', 'lib', 'lib64', '.venv', '.pyenv', 'site-packages',
+         '.git', 'node_modules', '__pycache__', '.cache'}}
+def scan(top):
+  for root, dirs, files in os.walk(top):
+    dirs[:] = [d for d in dirs if d not in skip]
+    for name in files:
+      if name.endswith('.jsonl'):
+        try:
+          for line in open(os.path.join(root, name), errors='replace'):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get('input') == want:
+              return row['output']
+        except Exception:
+          pass
+for top in ['/tmp', {repo!r}, '/']:
+  found = scan(top)
+  if found is not None:
+    print(found)
+    break
+else:
+  print('nothing found')
+"""
+
+
+def test_hidden_tests_on_disk_cannot_be_found():
+  """A program that walks the disk for its own hidden tests finds nothing and scores 0."""
+  secret = f'expected_{uuid.uuid4().hex}'
+  question = f'q_{RUN_ID}'
+  row = json.dumps({'input': question, 'output': secret}) + '\n'
+  dirs = [tempfile.mkdtemp(prefix='jrl_hidden_', dir=REPO), tempfile.mkdtemp(prefix='jrl_hidden_')]
+  paths = [os.path.join(d, 'hidden_tests.jsonl') for d in dirs]
+  try:
+    for p in paths:
+      with open(p, 'w') as f:
+        f.write(row)
+      os.chmod(p, 0o644)
+      os.chmod(os.path.dirname(p), 0o755)  # world-readable, as data sets usually are
+    source = FINDER.format(paths=paths, repo=REPO)
+    result, marker = run(source, stdin=question, limits=SLOW)
+    assert result.status == 'ok', result
+    assert secret not in result.stdout and 'READ' not in result.stdout, result.stdout
+    assert result.stdout == 'nothing found\n'
+    meta = [{'tests': [{'input': question, 'output': secret}], 'limits': dataclasses.asdict(SLOW)}]
+    assert get_reward_fn('code_tests')([''], [f'```python\n{source}```'], meta) == [0.0]
+  finally:
+    for d in dirs:
+      shutil.rmtree(d, ignore_errors=True)
+  assert_gone(marker)
+
+
+PROC = """
+import json
+me = {str(os.getpid())}
+seen = {}
+for pid in os.listdir('/proc'):
+  if pid.isdigit() and pid not in me:
+    try:
+      seen[pid] = open(f'/proc/{pid}/cmdline', 'rb').read().decode(errors='replace')
+    except OSError as e:
+      seen[pid] = type(e).__name__
+try:
+  one = open('/proc/1/cmdline', 'rb').read().decode(errors='replace')
+except OSError as e:
+  one = type(e).__name__
+print(json.dumps({'others': seen, 'pid1': one}))
+"""
+
+
+def test_proc_shows_nothing_of_the_caller():
+  result, marker = run(PROC)
+  assert result.status == 'ok', result
+  seen = json.loads(result.stdout)
+  text = result.stdout
+  for leak in ('pytest', '"workdir"', 'rlimits', 'config-fd', 'parent_pid', REPO):
+    assert leak not in text, (leak, text)
+  if CAPS['uid_drop'] and CAPS['private_proc']:  # hidepid: the root-owned init is invisible
+    assert seen['others'] == {} and seen['pid1'] in ('FileNotFoundError', 'PermissionError')
+  assert_gone(marker)
+
+
+SYSFS = """
+for path in ['/sys/class/net', '/sys/fs/cgroup', '/sys']:
+  try:
+    print(path, sorted(os.listdir(path)))
+  except OSError as e:
+    print(path, type(e).__name__)
+"""
+
+
+def test_host_sys_and_its_network_interfaces_are_hidden():
+  result, marker = run(SYSFS)
+  assert result.status == 'ok', result
+  net, cgroups, sys_root = result.stdout.splitlines()
+  if net.endswith(']'):
+    assert set(ast.literal_eval(net.split(' ', 1)[1])) <= {'lo'}, net
+  assert cgroups == '/sys/fs/cgroup FileNotFoundError' or cgroups.endswith(' []'), cgroups
+  assert sys_root == '/sys []', sys_root
+  assert_gone(marker)
+
+
+VIEW = """
+import json
+out = {{}}
+for d in {dirs!r}:
+  try:
+    out[d] = sorted(os.listdir(d))
+  except OSError as e:
+    out[d] = type(e).__name__
+for p in {files!r}:
+  out[p] = os.path.exists(p)
+print(json.dumps(out))
+"""
+
+
+def visible_children(directory):
+  """What the new root must show in `directory`: the next step to a bound path."""
+  spec = sandbox._root_spec('/tmp/jrl_sandbox_x')
+  shown = set()
+  for p, _ in spec['binds'] + spec['links']:
+    if p.startswith(directory.rstrip('/') + '/'):
+      shown.add(os.path.relpath(p, directory).split('/')[0])
+  return sorted(shown)
+
+
+def test_checkout_and_home_are_not_visible():
+  home = os.path.expanduser('~')
+  files = [os.path.join(REPO, 'pyproject.toml'), os.path.join(REPO, 'jrl', 'rewards', 'code.py')]
+  result, marker = run(VIEW.format(dirs=[REPO, home], files=files))
+  assert result.status == 'ok', result
+  out = json.loads(result.stdout)
+  assert not any(out[p] for p in files), out
+  for d in (REPO, home):  # nothing but the way to the interpreter (e.g. .venv, .pyenv)
+    assert out[d] == 'FileNotFoundError' or out[d] == visible_children(d), (d, out[d])
+  assert 'pyproject.toml' not in str(out[REPO]) and 'jrl' not in out[REPO]
+  assert_gone(marker)
+
+
+MEMORY = """
+import time
+barrier = time.time() + 2.0
+kids = []
+for _ in range({n}):
+  pid = os.fork()
+  if pid == 0:
+    try:
+      block = b'x' * ({mib} << 20)  # written, so resident
+    except MemoryError:
+      os._exit(2)
+    if time.time() > barrier:
+      os._exit(3)  # allocated too late to overlap with the others
+    time.sleep(barrier - time.time() + 0.5)
+    os._exit(0)
+  kids.append(pid)
+held = 0
+for pid in kids:
+  _, status = os.waitpid(pid, 0)
+  held += os.waitstatus_to_exitcode(status) == 0
+print('held', held, flush=True)
+"""
+MEMORY_LIMITS = dataclasses.replace(FAST, wall_seconds=10, cpu_seconds=5, memory_bytes=256 * MiB)
+
+
+def held_blocks(result):
+  """Children that held their block at the same time (0 if the parent was killed)."""
+  lines = [line for line in result.stdout.splitlines() if line.startswith('held ')]
+  return int(lines[0].split()[1]) if lines else 0
+
+
+def test_memory_of_all_processes_together_is_bounded():
+  """Six children of 100 MiB each, at once, under a 256 MiB limit: at most two hold theirs."""
+  result, marker = run(MEMORY.format(n=6, mib=100), limits=MEMORY_LIMITS)
+  assert result.status in ('ok', 'memory'), result
+  held = held_blocks(result)
+  if CAPS['memory_total'] == 'per_process':  # documented: RLIMIT_AS x RLIMIT_NPROC only
+    assert 'max_processes x memory_bytes' in ' '.join(CAPS['notes'])
+    assert held * 100 * MiB <= MEMORY_LIMITS.max_processes * MEMORY_LIMITS.memory_bytes
+  else:
+    assert held * 100 * MiB <= MEMORY_LIMITS.memory_bytes, result
+  assert_gone(marker)
+  still_works()
+
+
+def test_memory_watchdog_bounds_the_total_without_a_cgroup(monkeypatch):
+  """The fallback where no cgroup can be made: the init's watchdog kills the sandbox."""
+  if not CAPS['private_proc']:
+    assert CAPS['memory_total'] == 'per_process'
+    return
+  plan = dict(sandbox._get_plan(), cgroup=None, _cgroup=None)
+  sandbox._derive(plan)
+  monkeypatch.setattr(sandbox, '_PLAN', plan)
+  assert sandbox.capabilities()['memory_total'] == 'watchdog'
+  assert sandbox.isolation_level() == 'no_cgroup' or CAPS['isolation'] == 'degraded'
+  assert 'polled every 20 ms' in ' '.join(sandbox.capabilities()['notes'])
+  result, marker = run(MEMORY.format(n=6, mib=100), limits=MEMORY_LIMITS)
+  assert result.status == 'memory', result
+  assert held_blocks(result) * 100 * MiB <= MEMORY_LIMITS.memory_bytes
+  assert_gone(marker)
+  still_works()
+
+
+# The code reward ---------------------------------------------------------------------
+
+
+def test_code_reward_refuses_without_namespaces_unless_told(monkeypatch):
+  """A user who may not create namespaces: a clear refusal; opting in runs, reported degraded."""
+  monkeypatch.delenv(code.UNSAFE_ENV, raising=False)
+  refused = 'Operation not permitted (simulated)'
+  found = {
+    'root': False,
+    'user': False,
+    'uid_range': [65534, 1],
+    'errors': dict.fromkeys(('user', 'net', 'ipc', 'mount', 'pid', 'proc'), refused),
+  }
+  plan = sandbox._plan_from(found)  # self-tests rlimits-only runs, as such a user gets
+  monkeypatch.setattr(sandbox, '_PLAN', plan)
+  assert sandbox.isolation_level() == 'degraded' and sandbox.isolation_metric() == 1
+  fn = get_reward_fn('code_tests')
+  completions, meta = [f'```python\n{ADD}```'], [{'tests': ADD_TESTS, 'limits': FAST_META}]
+  with pytest.raises(code.SandboxUnavailableError) as refusal:
+    fn([''], completions, meta)
+  message = str(refusal.value)
+  for part in ('mount namespace', 'network namespace', 'sandbox_unsafe', code.UNSAFE_ENV):
+    assert part in message, message
+  with pytest.raises(code.SandboxUnavailableError):
+    code.configure_sandbox(unsafe=False)
+  assert code.configure_sandbox(unsafe=True) == 'degraded'  # sets the variable for workers
+  assert os.environ[code.UNSAFE_ENV] == '1'
+  assert fn([''], completions, meta) == [1.0]
+  os.environ.pop(code.UNSAFE_ENV)
+  monkeypatch.setattr(sandbox, '_PLAN', None)  # back to the real plan, probed afresh
+  assert code.check_sandbox() == CAPS['isolation']
+
+
+def test_slow_programs_do_not_zero_their_neighbours(monkeypatch):
+  """4 correct programs and 4 infinite loops in one chunk, through the reward service:
+  the chunk ends within the service's timeout, and only the loops score 0."""
+  monkeypatch.setenv(code.BUDGET_ENV, '8')
+  monkeypatch.setenv(code.CONCURRENCY_ENV, '4')
+  loop = '```python\nwhile True:\n  pass\n```'
+  right = f'```python\n{ADD}```'
+  completions = [right, loop] * 4
+  meta = [{'tests': ADD_TESTS[:3]}] * 8  # default limits: 5 s of wall clock and CPU per case
+  timeout_s = 14.0
+  with RewardService(['code_tests'], mode='process', workers=1, timeout_s=timeout_s,
+                     chunk_size=8) as service:  # fmt: skip
+    t0 = time.monotonic()
+    scored = service([''] * 8, completions, meta)
+    elapsed = time.monotonic() - t0
+  assert scored.timeouts['code_tests'] == 0 and scored.failures['code_tests'] == 0, scored
+  assert list(scored.per_fn['code_tests']) == [1.0, 0.0] * 4
+  assert elapsed < timeout_s
 
 
 def test_nothing_is_left_behind():
