@@ -62,6 +62,7 @@ def base():
   c.reward.mode = 'process'  # 'process' (CPU-bound) | 'thread' (I/O-bound) | 'inline'
   c.reward.workers = 2  # worker processes or threads
   c.reward.timeout_s = 30.0  # per chunk of completions; late chunks count as timeouts
+  c.reward.sandbox_unsafe = False  # code_tests: run programs even without namespaces (UNSAFE)
   c.reward.url = ''  # score on a `python -m jrl.rewards.server` instead (functions set there)
   c.reward.model_path = ''  # HF reward model (scalar head); name it 'reward_model' in functions
   c.reward.judge_path = ''  # HF policy-format judge model; name it 'judge' in functions

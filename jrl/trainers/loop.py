@@ -40,7 +40,7 @@ from jrl.models.tokenizer import load_tokenizer
 from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
-from jrl.trainers import common, policy, sft
+from jrl.trainers import checks, common, policy, sft
 from jrl.trainers.optim import make_optimizer
 
 GROUP_ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp_baseline')
@@ -89,17 +89,18 @@ def _advantage_metrics(adv, loss_mask):
 
 
 def validate(config, batch_shards):
-  """Raises ValueError naming the field for anything inconsistent."""
+  """Raises ValueError naming the field for anything inconsistent.
+
+  Every numeric field is first checked against its range (`checks.FIELDS`);
+  what follows are the checks between fields and against the devices.
+  """
+  checks.check_fields(config)
   rl = config.rl
 
   def need(cond, field, msg):
     if not cond:
       raise ValueError(f'`{field}`: {msg}')
 
-  need(config.sft.steps >= 0, 'sft.steps', 'must be >= 0.')
-  need(rl.steps >= 0, 'rl.steps', 'must be >= 0.')
-  need(rl.prompts_per_step >= 1, 'rl.prompts_per_step', 'must be >= 1.')
-  need(rl.group_size >= 1, 'rl.group_size', 'must be >= 1.')
   need(
     rl.group_size >= 2 or rl.advantage not in GROUP_ESTIMATORS,
     'rl.group_size',
@@ -109,7 +110,6 @@ def validate(config, batch_shards):
   need(rl.policy_loss in policy.POLICY_LOSSES, 'rl.policy_loss', f'one of {policy.POLICY_LOSSES}.')
   need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
   rows = rl.prompts_per_step * rl.group_size
-  need(rl.minibatch_size >= 1, 'rl.minibatch_size', 'must be >= 1.')
   need(
     rows % rl.minibatch_size == 0,
     'rl.minibatch_size',
@@ -125,18 +125,12 @@ def validate(config, batch_shards):
     'sft.batch_size',
     f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
   )
-  need(rl.epochs >= 1, 'rl.epochs', 'must be >= 1.')
-  need(rl.temperature > 0, 'rl.temperature', 'must be > 0.')
-  need(rl.kl_coef >= 0, 'rl.kl_coef', 'must be >= 0.')
-  need(rl.max_new_tokens >= 1, 'rl.max_new_tokens', 'must be >= 1.')
   need(
     0 <= rl.overlong_buffer < rl.max_new_tokens,
     'rl.overlong_buffer',
     'must be in [0, max_new_tokens).',
   )
   need(config.sampler.num_slots >= rl.group_size, 'sampler.num_slots', 'must be >= rl.group_size.')
-  need(config.checkpoint.every >= 1, 'checkpoint.every', 'must be >= 1.')
-  need(config.max_nonfinite_steps >= 1, 'max_nonfinite_steps', 'must be >= 1.')
   need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
   tc = config.topology
   need(tc.kind in TOPOLOGIES, 'topology.kind', f'must be one of {TOPOLOGIES}.')
@@ -150,14 +144,11 @@ def validate(config, batch_shards):
     'topology.rollout_devices',
     f'must leave devices for training (there are {jax.device_count()}).',
   )
-  need(tc.rollout_devices >= 0, 'topology.rollout_devices', 'must be >= 0.')
   need(
     tc.kind != 'colocated' or tc.rollout_devices == 0,
     'topology.rollout_devices',
     "must be 0 for a colocated topology (use 'disaggregated').",
   )
-  need(tc.staleness in (0, 1), 'topology.staleness', 'must be 0 or 1.')
-  need(tc.is_cap >= 1.0, 'topology.is_cap', 'must be >= 1.')
   need(
     tc.kind != 'one_step_off' or config.algorithm == 'grpo',
     'topology.kind',
@@ -176,8 +167,15 @@ def validate(config, batch_shards):
 class Task:
   """Training and held-out examples as {'prompt', 'answer'} dicts."""
 
-  def __init__(self, task_config, seed):
+  CHECKED_EXAMPLES = 256  # generated training examples run through `check`
+
+  def __init__(self, task_config, seed, check=None, train_check=None):
+    """`check(example)` (e.g. `checks.ExampleChecker.prompt`) runs on every
+    held-out example, `train_check` (default: `check`) on every training one:
+    each row of a JSONL file, the first `CHECKED_EXAMPLES` of a generated task.
+    Their ValueError is raised with the file and line, or the index."""
     kind = task_config.kind
+    train_check = train_check or check
     if kind == 'arith':
       self.generator = ArithmeticTask(
         digits=task_config.digits, ops=task_config.ops, seed=task_config.train_seed
@@ -191,11 +189,17 @@ class Task:
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)
     elif kind == 'jsonl':
-      self.train = read_jsonl(task_config.train_path)
-      self.held_out = read_jsonl(task_config.eval_path) if task_config.eval_path else []
+      self.train = read_jsonl(task_config.train_path, check=train_check)
+      eval_path = task_config.eval_path
+      self.held_out = read_jsonl(eval_path, check=check) if eval_path else []
       self.held_out = self.held_out[: task_config.eval_size]
     else:
       raise ValueError(f"`task.kind` must be 'arith', 'arith_tool' or 'jsonl', got {kind!r}.")
+    if check is not None and kind != 'jsonl':
+      # Generated problems share one format: the first ones stand for the rest.
+      train = ((i, self.train.example(i)) for i in range(self.CHECKED_EXAMPLES))
+      checks.check_generated(f'task {kind!r} training', train, train_check)
+      checks.check_generated(f'task {kind!r} held-out', enumerate(self.held_out), check)
     self.seed = seed
 
 
@@ -310,12 +314,26 @@ class Trainer:
       raise ValueError("`tokenizer` must be 'char' or a directory (or set `model.path`).")
     self.tokenizer = load_tokenizer(tok_path)
     self.encoder = Encoder(self.tokenizer, config.task.chat_template, config.task.add_bos)
-    self.task = Task(config.task, config.seed)
+    # Every example is encoded once now: a character the tokenizer lacks or a
+    # prompt over `rl.max_prompt_len` fails here with its file and line.
+    self.example_checker = checks.ExampleChecker(
+      self.encoder.prompt_ids,
+      self.tokenizer.encode,
+      config.rl.max_prompt_len,
+      config.rl.max_prompt_len + config.rl.max_new_tokens,
+    )
+    # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
+    # (prompt, answer) examples: then their answers must fit a row too.
+    sft_check = self.example_checker.sft if config.sft.steps else None
+    train_check = self.example_checker.prompt
+    if sft_check is not None and not config.sft.train_path:
+      train_check = sft_check
+    self.task = Task(config.task, config.seed, self.example_checker.prompt, train_check)
     # Every stream's position is checkpointed (subclasses may add streams).
     self.rl_stream = PromptStream(self.task.train, seed=_seed(config.seed, 'rl'))
-    # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
-    # (prompt, answer) examples.
-    sft_source = read_sft_jsonl(config.sft.train_path) if config.sft.train_path else self.task.train
+    sft_source = self.task.train
+    if config.sft.train_path:
+      sft_source = read_sft_jsonl(config.sft.train_path, check=sft_check)
     self.sft_stream = PromptStream(sft_source, seed=_seed(config.seed, 'sft'))
     self.streams = {'rl_stream': self.rl_stream, 'sft_stream': self.sft_stream}
     self.model_config, self.graphdef, params, self.hf_config = build_model(
@@ -438,6 +456,8 @@ class Trainer:
     rc = self.config.reward
     if rc.url:
       return RemoteRewardService(rc.url, timeout_s=rc.timeout_s)
+    if 'code_tests' in rc.functions:  # refuses here, at start-up, unless isolated or opted in
+      rewards.code.configure_sandbox(unsafe=rc.sandbox_unsafe)
     return rewards.RewardService(
       rc.functions,
       rc.weights,
@@ -536,11 +556,13 @@ class Trainer:
       self.tracer.write(os.path.join(self.workdir, 'trace.json'), other)
 
   def maybe_restore(self):
-    latest = self.checkpointer.latest_step()
+    """Restores the newest intact checkpoint (damaged newer ones are skipped
+    with a warning); returns its iteration, 0 when there is none."""
+    abstract = ckpt_lib.abstract_like(self.state)
+    latest, state, meta = self.checkpointer.restore_latest_intact(abstract)
     if latest is None:
       return 0
-    abstract = ckpt_lib.abstract_like(self.state)
-    self.state, meta = self.checkpointer.restore(latest, abstract)
+    self.state = state
     self.iteration = int(meta['iteration'])
     for name, stream in self.streams.items():
       stream.restore(meta['streams'][name])
@@ -1031,14 +1053,15 @@ class Trainer:
           m.update(self.evaluate())
         writer.write(self.iteration, m)
         if self.nonfinite_run >= config.max_nonfinite_steps:
-          last = self.checkpointer.latest_step()
+          self.checkpointer.wait()  # the last save on disk, with its checksums
           raise RuntimeError(
             f'stopping at iteration {self.iteration}: {self.nonfinite_run} iterations in a row '
-            f'had a non-finite loss or gradient (updates were skipped). The last checkpoint, '
-            f'{last}, in {self.checkpointer.directory} is intact.'
+            f'had a non-finite loss or gradient (updates were skipped). '
+            f'{self.checkpointer.describe_latest()}'
           )
         if distributed.any_process(self.stop_requested) and self.iteration < self.total:
           self.save(force=True)
+          self.checkpointer.wait()  # complete and checksummed before it is reported
           self.preempted = True
           if self.is_main:
             print(
