@@ -44,15 +44,27 @@ def base():
   c.model.compute_dtype = 'float32'  # 'bfloat16' for bf16 matmuls
 
   c.task = ml_collections.ConfigDict()
-  c.task.kind = 'arith'  # 'arith' (generated), 'arith_tool' (agentic, generated) or 'jsonl'
+  # 'arith' (generated), 'arith_tool' (agentic, generated) or 'file' (alias 'jsonl'):
+  # prompt files, JSONL or Parquet (by the '.parquet' extension)
+  c.task.kind = 'arith'
   c.task.digits = 2  # arith: operand digits
   c.task.ops = '+'  # arith: operators, from '+-*'
   c.task.train_seed = 0  # arith: seed of the training problems
   c.task.eval_seed = 1  # arith: seed of the held-out problems
   c.task.eval_size = 200  # held-out examples
-  c.task.train_path = ''  # jsonl: {"prompt", "answer"} rows
-  c.task.eval_path = ''  # jsonl: held-out rows
+  c.task.train_path = ''  # file: training rows, .jsonl or .parquet
+  c.task.eval_path = ''  # file: held-out rows
+  c.task.prompt_key = 'prompt'  # file: the prompt field (GSM8K: 'question'), text or messages
+  c.task.answer_key = 'answer'  # file: the answer field
+  c.task.answer_extractor = 'none'  # file: 'none' | 'gsm8k' (the text after the last '####')
+  # file: prompts over `rl.max_prompt_len` are 'error' (refused, naming the row) or
+  # 'filter' (dropped at load time and counted; `Task.filtered`)
+  c.task.long_prompts = 'error'
   c.task.chat_template = False  # wrap prompts in the tokenizer's chat template
+  c.task.system_prompt = ''  # chat template: system message opening each prompt ('' = none)
+  # chat template: extra variables of its render (e.g. enable_thinking); set keys in
+  # the experiment file, then `--config.task.chat_template_kwargs.KEY=...` overrides them
+  c.task.chat_template_kwargs = ml_collections.ConfigDict()
   c.task.add_bos = False  # prepend the tokenizer's bos token
 
   c.reward = ml_collections.ConfigDict()
@@ -62,6 +74,11 @@ def base():
   c.reward.mode = 'process'  # 'process' (CPU-bound) | 'thread' (I/O-bound) | 'inline'
   c.reward.workers = 2  # worker processes or threads
   c.reward.timeout_s = 30.0  # per chunk of completions; late chunks count as timeouts
+  # Stop the run (non-zero exit, checkpoints kept) once one reward function has
+  # left more than this fraction of completions unscored (failures, timeouts,
+  # no answer) for `max_unscored_steps` RL iterations in a row; 1.0: never.
+  c.reward.max_unscored_frac = 0.9
+  c.reward.max_unscored_steps = 3
   c.reward.sandbox_unsafe = False  # code_tests: run programs even without namespaces (UNSAFE)
   c.reward.url = ''  # score on a `python -m jrl.rewards.server` instead (functions set there)
   c.reward.model_path = ''  # HF reward model (scalar head); name it 'reward_model' in functions

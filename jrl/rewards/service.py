@@ -15,13 +15,19 @@ and runs the chunks concurrently:
   replaced. Reward functions are found in workers by their registry name,
   after importing the module that registered them (so they must live in an
   importable module).
-* mode='thread' (I/O-bound functions, e.g. a remote model): a thread pool; a
-  timed-out chunk is abandoned (threads cannot be killed) and counted.
-* mode='inline': in the caller's thread, no timeout (for functions that
-  need the caller's state, e.g. a jrl reward model on the accelerator).
+* mode='thread' (I/O-bound functions, e.g. a remote model): `workers` daemon
+  threads. Threads cannot be killed: a chunk that exceeds `timeout_s` is
+  counted as a timeout, its thread is abandoned (it exits when the function
+  returns, if ever) and a fresh thread takes its place, so one hung function
+  never starves the others, and daemon threads never keep the process from
+  exiting.
+* mode='inline': in the caller's process (for functions that need the
+  caller's state, e.g. a jrl reward model on the accelerator), one call at a
+  time on a daemon thread with the same timeout and replacement.
 
-Whatever happens (an exception, a timeout, a crashed worker, a non-finite
-or missing score), the affected completions are "unscored" (they count as
+Whatever happens (an exception, even SystemExit or KeyboardInterrupt raised
+by a reward function, a timeout, a crashed worker, a non-finite or missing
+score), the affected completions are "unscored" (they count as
 `unscored_value` in the total) and the counts appear in the returned
 metrics: `failures`, `timeouts` and `unscored` per function, and the first
 error messages. Nothing is raised into the caller.
@@ -37,7 +43,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 from multiprocessing import connection
 
 import numpy as np
@@ -185,6 +190,115 @@ class ProcessPool:
       w.stop()
 
 
+# Threads -------------------------------------------------------------------------
+
+
+def contained_call(fn, chunk):
+  """('ok', scores) | ('error', message) for fn(*chunk); raises nothing, not
+  even SystemExit or KeyboardInterrupt raised inside `fn`."""
+  try:
+    return ('ok', clean_scores(fn(*chunk), len(chunk[1])))
+  except BaseException as e:  # contained and reported: a reward must not end the run
+    return ('error', f'{type(e).__name__}: {e}')
+
+
+class _Job:
+  __slots__ = ('call', 'done', 'result', 'started', 'thread')
+
+  def __init__(self, call):
+    self.call = call  # (fn, chunk)
+    self.done = False
+    self.result = None
+    self.started = None  # monotonic time a thread took it
+    self.thread = None
+
+
+class ThreadPool:
+  """`workers` daemon threads running calls with a per-call deadline.
+
+  A call that runs past its deadline is reported as a timeout; its thread is
+  abandoned (it leaves when the call returns, if ever) and a new thread takes
+  its place, so the pool always has `workers` threads taking work. `hung`
+  counts the abandoned threads that have not returned yet.
+  """
+
+  def __init__(self, workers, name='reward'):
+    self._name = name
+    self._queue = collections.deque()
+    self._cond = threading.Condition()
+    self._closed = False
+    self._abandoned = set()
+    self._serial = 0
+    self.replaced = 0
+    for _ in range(workers):
+      self._spawn()
+
+  def _spawn(self):
+    self._serial += 1
+    t = threading.Thread(target=self._loop, name=f'{self._name}-{self._serial}', daemon=True)
+    t.start()
+
+  def _loop(self):
+    me = threading.current_thread()
+    while True:
+      with self._cond:
+        while not self._queue and not self._closed:
+          self._cond.wait()
+        if self._closed:
+          return
+        job = self._queue.popleft()
+        job.started, job.thread = time.monotonic(), me
+        self._cond.notify_all()  # its deadline now runs
+      result = contained_call(*job.call)
+      with self._cond:
+        job.result, job.done = result, True
+        self._cond.notify_all()
+        if me in self._abandoned:  # replaced while it ran: leave
+          self._abandoned.discard(me)
+          return
+
+  @property
+  def hung(self):
+    """Abandoned threads still inside a reward function."""
+    with self._cond:
+      return len(self._abandoned)
+
+  def run(self, calls, timeout_s):
+    """[(fn, chunk)] -> [('ok', scores) | ('error', msg) | ('timeout', msg)].
+
+    Each call has `timeout_s` from the moment a thread starts it."""
+    jobs = [_Job(c) for c in calls]
+    results = [None] * len(jobs)
+    with self._cond:
+      self._queue.extend(jobs)
+      self._cond.notify_all()
+      while True:
+        now = time.monotonic()
+        waits = []
+        for i, job in enumerate(jobs):
+          if results[i] is not None:
+            continue
+          if job.done:
+            results[i] = job.result
+          elif job.started is not None and now - job.started >= timeout_s:
+            results[i] = ('timeout', f'no result after {timeout_s:g} s')
+            self._abandoned.add(job.thread)
+            self.replaced += 1
+            self._spawn()
+          elif job.started is not None:
+            waits.append(job.started + timeout_s - now)
+        if all(r is not None for r in results):
+          return results
+        self._cond.wait(timeout=min(waits) if waits else None)
+
+  def close(self):
+    """Stops the idle threads; abandoned ones are daemons and never block exit."""
+    with self._cond:
+      self._closed = True
+      self._queue.clear()
+      self._cond.notify_all()
+
+
 # The service ---------------------------------------------------------------------
 
 
@@ -237,41 +351,38 @@ class RewardService:
     self.inline_fns = inline_fns
     modules = sorted({REGISTRY[n].__module__ for n in names if n not in inline_fns})
     self._pool = ProcessPool(workers, modules) if mode == 'process' else None
-    self._threads = futures.ThreadPoolExecutor(workers) if mode == 'thread' else None
+    self._threads = ThreadPool(workers) if mode == 'thread' else None
+    # Inline functions (and every function in mode 'inline') run one at a time
+    # in this process, on a thread of their own so that a hung one can time out.
+    self._inline = ThreadPool(1, name='reward-inline')
     self.totals = collections.Counter()  # calls, failures, timeouts over the service's life
     self._lock = threading.Lock()
 
-  def _run_inline(self, fn, chunk):
-    try:
-      return ('ok', clean_scores(fn(*chunk), len(chunk[1])))
-    except Exception as e:  # contained and reported
-      return ('error', f'{type(e).__name__}: {e}')
-
   def _run_tasks(self, tasks):
     """tasks: [(name, prompts, completions, metadata)] -> [(status, payload)]."""
-    pooled = [i for i, t in enumerate(tasks) if t[0] not in self.inline_fns]
+    inline = [i for i, t in enumerate(tasks) if t[0] in self.inline_fns or self.mode == 'inline']
+    pooled = [i for i in range(len(tasks)) if i not in set(inline)]
     results = [None] * len(tasks)
-    for i, t in enumerate(tasks):
-      if t[0] in self.inline_fns or self.mode == 'inline':
-        fn = self.inline_fns.get(t[0]) or get_reward_fn(t[0])
-        results[i] = self._run_inline(fn, t[1:])
-    pooled = [i for i in pooled if results[i] is None]
+    calls = lambda idx: [
+      (self.inline_fns.get(tasks[i][0]) or get_reward_fn(tasks[i][0]), tasks[i][1:]) for i in idx
+    ]
     if self.mode == 'process' and pooled:
       pool_results = self._pool.run([tasks[i] for i in pooled], self.timeout_s)
       for i, r in zip(pooled, pool_results, strict=True):
         results[i] = r
     elif self.mode == 'thread' and pooled:
-      submitted = {
-        i: self._threads.submit(self._run_inline, get_reward_fn(tasks[i][0]), tasks[i][1:])
-        for i in pooled
-      }
-      deadline = time.monotonic() + self.timeout_s
-      for i, fut in submitted.items():
-        try:
-          results[i] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except futures.TimeoutError:
-          results[i] = ('timeout', f'no result after {self.timeout_s:g} s')
+      for i, r in zip(pooled, self._threads.run(calls(pooled), self.timeout_s), strict=True):
+        results[i] = r
+    if inline:
+      for i, r in zip(inline, self._inline.run(calls(inline), self.timeout_s), strict=True):
+        results[i] = r
     return results
+
+  @property
+  def hung_threads(self):
+    """Reward threads abandoned after a timeout that have not returned."""
+    pools = (self._threads, self._inline)
+    return sum(p.hung for p in pools if p is not None)
 
   def __call__(self, prompts, completions, metadata):
     n = len(completions)
@@ -316,7 +427,8 @@ class RewardService:
     if self._pool is not None:
       self._pool.close()
     if self._threads is not None:
-      self._threads.shutdown(wait=False, cancel_futures=True)
+      self._threads.close()
+    self._inline.close()
 
   def __enter__(self):
     return self

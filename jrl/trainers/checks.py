@@ -96,6 +96,8 @@ FIELDS = {
   'reward.unscored_value': Range(False),
   'reward.workers': count(1),
   'reward.timeout_s': positive(),
+  'reward.max_unscored_frac': fraction(),
+  'reward.max_unscored_steps': count(1),
   'reward.judge_max_new_tokens': count(1),
   'reward.judge_max_prompt_len': count(1),
   'reward.clip': non_negative(),
@@ -199,6 +201,10 @@ def check_fields(config):
 # Examples ------------------------------------------------------------------------
 
 
+class PromptTooLong(ValueError):
+  """A prompt longer than `rl.max_prompt_len` (`task.long_prompts='filter'` drops these)."""
+
+
 class ExampleChecker:
   """Encodes examples as the trainer will, and refuses those it could not train on.
 
@@ -233,7 +239,7 @@ class ExampleChecker:
     """The prompt encodes and fits in `rl.max_prompt_len`; returns its length."""
     n = len(self._ids(example, 'prompt', self.prompt_ids))
     if n > self.max_prompt_len:
-      raise ValueError(
+      raise PromptTooLong(
         f'field `prompt` is {n} tokens, more than `rl.max_prompt_len`={self.max_prompt_len}.'
       )
     return n

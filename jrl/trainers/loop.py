@@ -34,7 +34,14 @@ from jrl import checkpoint as ckpt_lib
 from jrl import distributed, models, parallel, rewards, sampler, trace
 from jrl import losses as L
 from jrl import metrics as metrics_lib
-from jrl.data import ArithmeticTask, PromptStream, read_jsonl, read_sft_jsonl
+from jrl.data import (
+  ANSWER_EXTRACTORS,
+  ArithmeticTask,
+  PromptFile,
+  PromptStream,
+  read_prompts,
+  read_sft_jsonl,
+)
 from jrl.models import hf as hf_lib
 from jrl.models.tokenizer import load_tokenizer
 from jrl.rewards import shaping as reward_norm
@@ -165,17 +172,25 @@ def validate(config, batch_shards):
 
 
 class Task:
-  """Training and held-out examples as {'prompt', 'answer'} dicts."""
+  """Training and held-out examples as {'prompt', 'answer'} dicts.
+
+  `filtered` counts the rows of prompt files left out for prompts longer than
+  `rl.max_prompt_len` (`task.long_prompts='filter'`): {'train': n, 'eval': n}.
+  """
 
   CHECKED_EXAMPLES = 256  # generated training examples run through `check`
+  LONG_PROMPTS = ('error', 'filter')
 
   def __init__(self, task_config, seed, check=None, train_check=None):
     """`check(example)` (e.g. `checks.ExampleChecker.prompt`) runs on every
     held-out example, `train_check` (default: `check`) on every training one:
-    each row of a JSONL file, the first `CHECKED_EXAMPLES` of a generated task.
-    Their ValueError is raised with the file and line, or the index."""
+    each row of a prompt file, the first `CHECKED_EXAMPLES` of a generated task.
+    Their ValueError is raised with the file and line (or row), or the index;
+    with `task.long_prompts='filter'`, a file's rows whose prompt is too long
+    (`checks.PromptTooLong`) are dropped and counted instead."""
     kind = task_config.kind
     train_check = train_check or check
+    self.filtered = {'train': 0, 'eval': 0}
     if kind == 'arith':
       self.generator = ArithmeticTask(
         digits=task_config.digits, ops=task_config.ops, seed=task_config.train_seed
@@ -188,36 +203,79 @@ class Task:
       self.generator = ArithToolTask(seed=task_config.train_seed)
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)
-    elif kind == 'jsonl':
-      self.train = read_jsonl(task_config.train_path, check=train_check)
-      eval_path = task_config.eval_path
-      self.held_out = read_jsonl(eval_path, check=check) if eval_path else []
-      self.held_out = self.held_out[: task_config.eval_size]
+    elif kind in ('file', 'jsonl'):
+      train = self._read(task_config, 'train', train_check)
+      held_out = self._read(task_config, 'eval', check) if task_config.eval_path else None
+      self.train = train.rows
+      self.held_out = held_out.rows[: task_config.eval_size] if held_out else []
     else:
-      raise ValueError(f"`task.kind` must be 'arith', 'arith_tool' or 'jsonl', got {kind!r}.")
-    if check is not None and kind != 'jsonl':
+      raise ValueError(
+        f"`task.kind` must be 'arith', 'arith_tool', 'file' or 'jsonl', got {kind!r}."
+      )
+    if check is not None and kind not in ('file', 'jsonl'):
       # Generated problems share one format: the first ones stand for the rest.
       train = ((i, self.train.example(i)) for i in range(self.CHECKED_EXAMPLES))
       checks.check_generated(f'task {kind!r} training', train, train_check)
       checks.check_generated(f'task {kind!r} held-out', enumerate(self.held_out), check)
     self.seed = seed
 
+  def _read(self, task_config, split, check) -> PromptFile:
+    """The `split` file ('train' | 'eval'), its too-long prompts dropped if asked."""
+    long_prompts = task_config.long_prompts
+    if long_prompts not in self.LONG_PROMPTS:
+      raise ValueError(
+        f'`task.long_prompts` must be one of {self.LONG_PROMPTS}, got {long_prompts!r}.'
+      )
+    extractor = task_config.answer_extractor
+    if extractor not in ANSWER_EXTRACTORS:
+      raise ValueError(
+        f'`task.answer_extractor` must be one of {ANSWER_EXTRACTORS}, got {extractor!r}.'
+      )
+    path = task_config[f'{split}_path']
+    read = read_prompts(
+      path,
+      prompt_key=task_config.prompt_key,
+      answer_key=task_config.answer_key,
+      answer_extractor=extractor,
+      check=check,
+      drop=(checks.PromptTooLong,) if long_prompts == 'filter' else (),
+    )
+    self.filtered[split] = len(read.dropped)
+    if read.dropped and distributed.is_main():
+      where, why = read.dropped[0]
+      print(
+        f'task: dropped {len(read.dropped)} of {len(read.rows) + len(read.dropped)} {split} '
+        f'rows of {path} (task.long_prompts=filter); the first, {where}: {why}'
+      )
+    return read
+
 
 class Encoder:
-  """Turns example prompts into token ids (raw text or the chat template)."""
+  """Turns example prompts into token ids (raw text or the chat template).
 
-  def __init__(self, tokenizer, use_chat_template, add_bos):
+  With the chat template, `system_prompt` (if set) opens every conversation
+  that has no system message of its own, and `template_kwargs` (e.g.
+  {'enable_thinking': False}) are passed to the template's render.
+  """
+
+  def __init__(self, tokenizer, use_chat_template, add_bos, system_prompt='', template_kwargs=None):
+    if system_prompt and not use_chat_template:
+      raise ValueError('`task.system_prompt` needs `task.chat_template` = True.')
     self.tokenizer = tokenizer
     self.use_chat_template = use_chat_template
     self.add_bos = add_bos
+    self.system_prompt = system_prompt
+    self.template_kwargs = dict(template_kwargs or {})
 
   def prompt_text(self, prompt):
-    if isinstance(prompt, list):
-      return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-    if self.use_chat_template:
-      messages = [{'role': 'user', 'content': prompt}]
-      return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return prompt
+    if not (isinstance(prompt, list) or self.use_chat_template):
+      return prompt
+    messages = prompt if isinstance(prompt, list) else [{'role': 'user', 'content': prompt}]
+    if self.system_prompt and not (messages and messages[0]['role'] == 'system'):
+      messages = [{'role': 'system', 'content': self.system_prompt}, *messages]
+    return self.tokenizer.apply_chat_template(
+      messages, add_generation_prompt=True, **self.template_kwargs
+    )
 
   def prompt_ids(self, prompt):
     ids = self.tokenizer.encode(self.prompt_text(prompt))
@@ -313,7 +371,14 @@ class Trainer:
     if not tok_path:
       raise ValueError("`tokenizer` must be 'char' or a directory (or set `model.path`).")
     self.tokenizer = load_tokenizer(tok_path)
-    self.encoder = Encoder(self.tokenizer, config.task.chat_template, config.task.add_bos)
+    tk = config.task
+    self.encoder = Encoder(
+      self.tokenizer,
+      tk.chat_template,
+      tk.add_bos,
+      system_prompt=tk.system_prompt,
+      template_kwargs=tk.chat_template_kwargs.to_dict(),
+    )
     # Every example is encoded once now: a character the tokenizer lacks or a
     # prompt over `rl.max_prompt_len` fails here with its file and line.
     self.example_checker = checks.ExampleChecker(
@@ -354,7 +419,7 @@ class Trainer:
       for name in rc.functions:
         if name not in ('reward_model', 'judge'):
           rewards.get_reward_fn(name)
-    self.eval_scorer = rewards.RewardService((config.eval.reward,), mode='inline')
+    self._eval_scorer = None  # started by the first evaluation
     self.stop_tokens = tuple(self.tokenizer.eos_ids)
     rl = config.rl
     self.seq_len = rl.max_prompt_len + rl.max_new_tokens
@@ -455,7 +520,7 @@ class Trainer:
   def _make_scorer(self):
     rc = self.config.reward
     if rc.url:
-      return RemoteRewardService(rc.url, timeout_s=rc.timeout_s)
+      return RemoteRewardService(rc.url, timeout_s=rc.timeout_s, unscored_value=rc.unscored_value)
     if 'code_tests' in rc.functions:  # refuses here, at start-up, unless isolated or opted in
       rewards.code.configure_sandbox(unsafe=rc.sandbox_unsafe)
     return rewards.RewardService(
@@ -468,10 +533,30 @@ class Trainer:
       inline_fns=self._inline_reward_fns(),
     )
 
+  @property
+  def eval_scorer(self):
+    """The held-out scorer. Held-out answers are model output too: they are
+    scored in a worker process with the training rewards' deadline, never in
+    the trainer's process."""
+    if self._eval_scorer is None:
+      self._eval_scorer = rewards.RewardService(
+        (self.config.eval.reward,),
+        mode='process',
+        workers=1,
+        timeout_s=self.config.reward.timeout_s,
+      )
+    return self._eval_scorer
+
+  def _close_scorers(self):
+    self.scorer.close()
+    if self._eval_scorer is not None:
+      self._eval_scorer.close()
+      self._eval_scorer = None
+
   def close(self):
     """Stops the reward workers and finishes pending checkpoint writes."""
     self._drain()
-    self.scorer.close()
+    self._close_scorers()
     self.checkpointer.wait()
 
   def _drain(self):
@@ -530,6 +615,7 @@ class Trainer:
       'iteration': self.iteration,
       'streams': streams,
       'nonfinite_run': self.nonfinite_run,
+      'unscored_run': self.unscored_run,
       'pending_rollout': self.pending_params is not None,
       'reward_moments': list(self.reward_moments),
       'config': json.loads(self.config.to_json_best_effort()),
@@ -567,6 +653,7 @@ class Trainer:
     for name, stream in self.streams.items():
       stream.restore(meta['streams'][name])
     self.nonfinite_run = int(meta.get('nonfinite_run', 0))
+    self.unscored_run = int(meta.get('unscored_run', 0))
     self.reward_moments = reward_norm.RunningMoments(*meta.get('reward_moments', (0, 0, 0)))
     if meta.get('pending_rollout') and self.staleness:
       behaviour = ckpt_lib.abstract_like(self.state.params)
@@ -749,7 +836,9 @@ class Trainer:
       m[f'reward/{name}/unscored'] = float(first_scored.unscored[name])
       m[f'reward/{name}/failures'] = float(first_scored.failures[name])
       m[f'reward/{name}/timeouts'] = float(first_scored.timeouts[name])
+      m[f'reward/{name}/unscored_frac'] = float(np.mean(~np.isfinite(values)))
     if first_scored.errors:
+      self.last_reward_errors = list(first_scored.errors)
       print('reward errors (scored as unscored):\n  ' + '\n  '.join(first_scored.errors))
     m['reward/length_corr'] = reward_norm.length_correlation(rewards_np, lengths)
     m['response_length/mean'] = float(lengths.mean())
@@ -1013,7 +1102,8 @@ class Trainer:
     """Runs to `total` iterations, or until SIGTERM: then the processes agree
     on an iteration, save a checkpoint there and return (`self.preempted`)."""
     config = self.config
-    self.nonfinite_run = 0
+    self.nonfinite_run = self.unscored_run = 0
+    self.last_reward_errors = []
     self.stop_requested = self.preempted = False
     start_it = self.maybe_restore()
     writer = (
@@ -1052,6 +1142,16 @@ class Trainer:
         ):
           m.update(self.evaluate())
         writer.write(self.iteration, m)
+        unscored = self._mostly_unscored(m)
+        self.unscored_run = self.unscored_run + 1 if unscored else 0
+        if self.unscored_run >= config.reward.max_unscored_steps:
+          self.checkpointer.wait()
+          raise RuntimeError(
+            f'stopping at iteration {self.iteration}: {unscored} for '
+            f'{self.unscored_run} RL iterations in a row (more than '
+            f'`reward.max_unscored_frac`={config.reward.max_unscored_frac:g}); the updates had '
+            f'no reward signal. {self.checkpointer.describe_latest()}'
+          )
         if self.nonfinite_run >= config.max_nonfinite_steps:
           self.checkpointer.wait()  # the last save on disk, with its checksums
           raise RuntimeError(
@@ -1078,7 +1178,7 @@ class Trainer:
       self.checkpointer.wait()
       writer.close()
       self._drain()
-      self.scorer.close()
+      self._close_scorers()
     self.checkpointer.close()
     self.write_trace()
     if self.preempted:
@@ -1088,6 +1188,25 @@ class Trainer:
     if config.export_hf:
       self.export(os.path.join(self.workdir, 'hf_export'))
     return self.state
+
+  def _mostly_unscored(self, m):
+    """A description of the reward functions that left more than
+    `reward.max_unscored_frac` of this iteration's completions unscored, with
+    their failure and timeout counts and first errors; '' if none did."""
+    limit = self.config.reward.max_unscored_frac
+    bad = []
+    for key, frac in m.items():
+      if key.startswith('reward/') and key.endswith('/unscored_frac') and frac > limit:
+        name = key[len('reward/') : -len('/unscored_frac')]
+        bad.append(
+          f'reward function {name!r} left {frac:.0%} of completions unscored '
+          f'({m.get(f"reward/{name}/failures", 0):g} failed and '
+          f'{m.get(f"reward/{name}/timeouts", 0):g} timed-out chunks'
+        )
+    if not bad:
+      return ''
+    errors = '; '.join(self.last_reward_errors[:3]) or 'no error recorded: it returned None or NaN'
+    return ', '.join(b + ')' for b in bad) + f' (first errors: {errors})'
 
   def export(self, path):
     """Writes the policy as a Hugging Face checkpoint directory."""

@@ -2,6 +2,7 @@
 imported, so that worker processes find them too."""
 
 import os
+import threading
 import time
 
 from jrl.rewards import register
@@ -60,3 +61,24 @@ def flaky(prompts, completions, metadata):
   if mode == 'slow':
     time.sleep(0.3)
   return [float(m.get('value', 1.0)) for m in metadata]
+
+
+RELEASE = threading.Event()  # set by the tests to let blocked functions return
+
+
+@register('test_block')
+def block(prompts, completions, metadata):
+  """Blocks (without using the CPU) while metadata asks for it."""
+  if any(m.get('block') for m in metadata):
+    RELEASE.wait()
+  return [1.0] * len(completions)
+
+
+@register('test_exit')
+def exits(prompts, completions, metadata):
+  raise SystemExit(0)
+
+
+@register('test_interrupt')
+def interrupts(prompts, completions, metadata):
+  raise KeyboardInterrupt

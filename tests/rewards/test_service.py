@@ -1,6 +1,8 @@
 """The reward service: concurrency, timeouts, contained failures, HTTP."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ from jrl.models.tokenizer import CharTokenizer
 from jrl.rewards import RewardService, format_think_answer, make_regex_reward, overlong_penalty
 from jrl.rewards.model import RewardModel
 from jrl.rewards.server import RemoteRewardService, make_server
-from tests.rewards import fixtures  # noqa: F401 (registers the test functions)
+from tests.rewards import fixtures  # registers the test functions
 
 
 def _batch(n, **meta):
@@ -231,3 +233,63 @@ def test_reward_model_batched_equals_one_by_one_and_runs_inline():
   assert len(set(np.round(batched, 6))) > 1
   with RewardService(['reward_model'], mode='process', inline_fns={'reward_model': rm}) as svc:
     np.testing.assert_allclose(svc(prompts, completions, [{}] * 6).total, batched, rtol=1e-6)
+
+
+@pytest.mark.parametrize('mode', ['process', 'thread', 'inline'])
+@pytest.mark.parametrize('name', ['test_exit', 'test_interrupt'])
+def test_system_exit_and_interrupt_in_a_reward_are_contained(mode, name):
+  """`sys.exit()` or KeyboardInterrupt inside a reward function is a failure of
+  that function's chunk, never the end of the caller."""
+  with RewardService([name, 'test_const'], mode=mode, workers=2, timeout_s=5.0) as service:
+    scored = service(*_batch(4))
+    assert scored.failures[name] == 1
+    assert scored.unscored[name] == 4
+    assert any(('SystemExit' in e or 'KeyboardInterrupt' in e) for e in scored.errors)
+    np.testing.assert_array_equal(scored.per_fn['test_const'], np.ones(4))
+    again = service(*_batch(4))  # and the service keeps serving
+    np.testing.assert_array_equal(again.per_fn['test_const'], np.ones(4))
+
+
+@pytest.mark.parametrize('mode', ['thread', 'inline'])
+def test_a_hung_thread_is_replaced_and_starves_nobody(mode):
+  """A function that never returns times out once; its thread is abandoned and
+  replaced, and every later call is scored as usual."""
+  fixtures.RELEASE.clear()
+  try:
+    with RewardService(['test_block'], mode=mode, workers=1, timeout_s=0.5) as service:
+      prompts, completions, _ = _batch(2)
+      hung = service(prompts, completions, [{'block': True}] * 2)
+      assert hung.timeouts['test_block'] == 1
+      assert service.hung_threads == 1
+      for _ in range(4):
+        ok = service(*_batch(2))
+        assert ok.timeouts['test_block'] == 0
+        np.testing.assert_array_equal(ok.per_fn['test_block'], np.ones(2))
+      assert service.hung_threads == 1
+  finally:
+    fixtures.RELEASE.set()
+
+
+_EXIT_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from jrl.rewards import RewardService
+from tests.rewards import fixtures
+with RewardService(['test_block'], mode={mode!r}, workers=1, timeout_s=0.5) as s:
+  r = s([''], ['x'], [{{'block': True}}])
+print('timeouts', r.timeouts['test_block'], flush=True)
+"""
+
+
+@pytest.mark.parametrize('mode', ['thread', 'inline'])
+def test_a_hung_reward_never_blocks_exit(mode):
+  """The process ends normally although a reward thread is still blocked."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run(
+    [sys.executable, '-c', _EXIT_SCRIPT.format(root=root, mode=mode)],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert out.returncode == 0, out.stderr
+  assert 'timeouts 1' in out.stdout

@@ -454,6 +454,64 @@ def test_reward_function_that_raises_is_contained_and_reported(tmp_path, monkeyp
   assert 'ZeroDivisionError: verifier bug' in capsys.readouterr().out
 
 
+def test_a_reward_that_exits_is_contained_and_a_run_without_reward_signal_stops(
+  tmp_path, monkeypatch
+):
+  """`sys.exit()` inside a reward function neither ends the run quietly nor
+  crashes it; when most completions stay unscored for
+  `reward.max_unscored_steps` iterations, the run stops with an error naming
+  the function and the cause, and the checkpoint is kept."""
+  name = 'test_loop_exiting_verifier'
+  monkeypatch.setitem(rewards.REGISTRY, name, None)
+
+  @rewards.register(name)
+  def exiting(prompts, completions, metadata):
+    raise SystemExit(0)
+
+  config = shrunk_config(
+    tmp_path,
+    {
+      **QUIET,
+      'reward.functions': (name,),
+      'reward.mode': 'thread',
+      'reward.max_unscored_steps': 2,
+      'rl.steps': 4,
+    },
+  )
+  with pytest.raises(RuntimeError) as info:
+    loop.run(config)
+  message = str(info.value)
+  assert name in message and 'SystemExit' in message and '100%' in message
+  assert os.path.join(config.workdir, 'checkpoints') in message
+  rl_records = [r for r in records(config.workdir) if r.get('phase') == 1.0]
+  assert len(rl_records) == 2
+  assert all(r[f'reward/{name}/unscored_frac'] == 1.0 for r in rl_records)
+  assert ckpt_lib.Checkpointer(os.path.join(config.workdir, 'checkpoints')).latest_step() == 2
+
+
+def test_a_dead_reward_server_stops_the_run(tmp_path):
+  """Every completion unscored because the reward server is gone: the run
+  stops after `reward.max_unscored_steps` iterations, naming the server."""
+  import socket
+
+  with socket.socket() as s:  # a port with nothing listening
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  config = shrunk_config(
+    tmp_path,
+    {
+      **QUIET,
+      'sft.steps': 0,
+      'rl.steps': 4,
+      'reward.url': f'http://127.0.0.1:{port}',
+      'reward.max_unscored_steps': 1,
+    },
+  )
+  with pytest.raises(RuntimeError, match="reward function 'remote'") as info:
+    loop.run(config)
+  assert f'127.0.0.1:{port}' in str(info.value)
+
+
 # Memory of the policy update -------------------------------------------------------
 
 
