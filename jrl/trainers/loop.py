@@ -521,8 +521,11 @@ class Trainer:
     rc = self.config.reward
     if rc.url:
       return RemoteRewardService(rc.url, timeout_s=rc.timeout_s, unscored_value=rc.unscored_value)
+    self.sandbox_level = None
     if 'code_tests' in rc.functions:  # refuses here, at start-up, unless isolated or opted in
-      rewards.code.configure_sandbox(unsafe=rc.sandbox_unsafe)
+      self.sandbox_level = rewards.code.configure_sandbox(unsafe=rc.sandbox_unsafe)
+      if self.is_main:
+        print(f'code_tests: sandbox isolation {self.sandbox_level!r}', flush=True)
     return rewards.RewardService(
       rc.functions,
       rc.weights,
@@ -837,6 +840,8 @@ class Trainer:
       m[f'reward/{name}/failures'] = float(first_scored.failures[name])
       m[f'reward/{name}/timeouts'] = float(first_scored.timeouts[name])
       m[f'reward/{name}/unscored_frac'] = float(np.mean(~np.isfinite(values)))
+    if self.sandbox_level is not None:  # 3 full, 2 no cgroup, 1 degraded (unsafe opt-in)
+      m['reward/sandbox_isolation'] = float(rewards.sandbox.isolation_metric())
     if first_scored.errors:
       self.last_reward_errors = list(first_scored.errors)
       print('reward errors (scored as unscored):\n  ' + '\n  '.join(first_scored.errors))

@@ -512,6 +512,33 @@ def test_a_dead_reward_server_stops_the_run(tmp_path):
   assert f'127.0.0.1:{port}' in str(info.value)
 
 
+def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path, monkeypatch):
+  """With `code_tests` among the rewards the trainer checks the sandbox at
+  start-up: the isolation level is printed and kept in metrics, and a
+  sandbox without namespaces is refused unless `reward.sandbox_unsafe`."""
+  from jrl.rewards import code, sandbox
+
+  monkeypatch.delenv(code.UNSAFE_ENV, raising=False)
+  overrides = {**QUIET, 'sft.steps': 0, 'rl.steps': 1, 'reward.functions': ('code_tests',)}
+  overrides['reward.max_unscored_steps'] = 5  # arithmetic examples carry no tests: unscored
+  config = shrunk_config(tmp_path / 'full', overrides)
+  loop.run(config)
+  (record,) = records(config.workdir)
+  assert record['reward/sandbox_isolation'] == sandbox.isolation_metric() >= 2
+
+  refused = 'Operation not permitted (simulated)'
+  found = {
+    'root': False,
+    'user': False,
+    'uid_range': [65534, 1],
+    'errors': dict.fromkeys(('user', 'net', 'ipc', 'mount', 'pid', 'proc'), refused),
+  }
+  monkeypatch.setattr(sandbox, '_PLAN', sandbox._plan_from(found))
+  with pytest.raises(code.SandboxUnavailableError, match='sandbox_unsafe'):
+    loop.Trainer(shrunk_config(tmp_path / 'degraded', overrides))
+  monkeypatch.setattr(sandbox, '_PLAN', None)  # probed afresh by later tests
+
+
 # Memory of the policy update -------------------------------------------------------
 
 
