@@ -558,6 +558,24 @@ def bench_rewards(args):
   print(f'  math_answer in-process:        {args.n / inline_s:9.0f} rewards/s')
   print(f'  math_answer, 2 worker processes: {args.n / pool_s:7.0f} rewards/s')
 
+  # Answers that are not plain numbers go through math-verify's grammar and
+  # comparison (under the bounds and the deadline), a far slower path.
+  symbolic = [
+    ('\\frac{\\sqrt{2}}{2}', '\\frac{1}{\\sqrt{2}}'),
+    ('2\\pi', '\\pi+\\pi'),
+    ('x^2+2x+1', '(x+1)^2'),
+    ('3\\sqrt{2}', '\\sqrt{18}'),
+    ('\\sqrt{3}', '\\sqrt{5}'),
+  ]
+  n_sym = max(len(symbolic), args.n // 10)
+  pairs = [symbolic[i % len(symbolic)] for i in range(n_sym)]
+  sym_completions = [f'Thus \\boxed{{{a}}}.' for a, _ in pairs]
+  sym_metadata = [{'answer': b} for _, b in pairs]
+  start = time.perf_counter()
+  math_answer([''] * n_sym, sym_completions, sym_metadata)
+  sym_s = time.perf_counter() - start
+  print(f'  math_answer, symbolic answers (math-verify), in-process: {n_sym / sym_s:7.0f} rewards/s')
+
   limits = sandbox.Limits(wall_seconds=5, cpu_seconds=5)
   start = time.perf_counter()
   for _ in range(args.programs):
