@@ -101,9 +101,10 @@ def calculator(expression):
 
 def python_tool(code, limits=None):
   """Runs `code` in the sandbox of `jrl.rewards.sandbox`; its stdout (or a failure)."""
-  from jrl.rewards import code, sandbox
+  from jrl.rewards import code as code_reward
+  from jrl.rewards import sandbox
 
-  code.check_sandbox()  # refuses a degraded sandbox unless JRL_SANDBOX_UNSAFE opts in
+  code_reward.check_sandbox()  # refuses a degraded sandbox unless JRL_SANDBOX_UNSAFE opts in
   limits = limits or sandbox.Limits(wall_seconds=5, cpu_seconds=5)
   result = sandbox.run_program(code, limits=limits)
   if result.status != 'ok':
