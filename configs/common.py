@@ -112,7 +112,7 @@ def base():
   c.rl.adv_std = 'unbiased'  # grpo: 'unbiased' | 'biased'
   c.rl.adv_eps = 1e-6  # added to the std
   c.rl.gamma = 1.0  # REINFORCE++ discount
-  c.rl.policy_loss = 'ppo'  # 'ppo' (clip) | 'gspo' | 'cispo'
+  c.rl.policy_loss = 'ppo'  # 'ppo' (clip) | 'gspo' | 'cispo' | 'sapo' | 'vespo' (TRL's defaults)
   c.rl.eps_low = 0.2  # clip range below 1
   c.rl.eps_high = 0.2  # clip range above 1 (DAPO clip-higher: 0.28)
   c.rl.dual_clip_c = 0.0  # dual-clip bound for A < 0 (0: off)
@@ -121,7 +121,16 @@ def base():
   c.rl.loss_norm = 0.0  # seq-mean-token-sum-norm constant (0: padded length)
   c.rl.kl_coef = 0.0  # β; 0 skips the reference model
   c.rl.kl_in = 'loss'  # 'loss' (GRPO) or 'reward' (REINFORCE++, PPO)
-  c.rl.kl_estimator = 'k3'  # k1 | k2 | k3 | abs
+  c.rl.kl_estimator = 'k3'  # k1 | k2 | k3 | abs | k3_ratio_corrected (kl_in='loss' only)
+  c.rl.sapo_tau_pos = 1.0  # sapo: gate temperature for A > 0 (TRL's default)
+  c.rl.sapo_tau_neg = 1.05  # sapo: gate temperature for A <= 0
+  c.rl.vespo_k_pos = 2.0  # vespo: kernel exponent k for A >= 0 (TRL's default)
+  c.rl.vespo_lambda_pos = 3.0  # vespo: kernel decay λ for A >= 0
+  c.rl.vespo_k_neg = 3.0  # vespo: kernel exponent k for A < 0
+  c.rl.vespo_lambda_neg = 2.0  # vespo: kernel decay λ for A < 0
+  # Drop whole sequences with A < 0 whose mean log(π_old/π) exceeds this
+  # (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); 0: off
+  c.rl.off_policy_mask_threshold = 0.0
   c.rl.kl_input_clamp = 0.0  # 0: off
   c.rl.kl_output_clamp = 0.0  # 0: off
   c.rl.entropy_coef = 0.0  # entropy bonus weight

@@ -32,6 +32,7 @@ from jrl.losses.advantages import (
   whiten,
 )
 from jrl.losses.kl import (
+  KL_ESTIMATORS,
   KLController,
   KLControllerState,
   adaptive_kl_controller,
@@ -44,7 +45,16 @@ from jrl.losses.logprobs import (
   token_logprobs_and_entropy,
   token_logprobs_from_hidden,
 )
-from jrl.losses.policy import cispo_loss, gspo_loss, importance_weights, ppo_clip_loss
+from jrl.losses.policy import (
+  cispo_loss,
+  gspo_loss,
+  importance_weights,
+  off_policy_sequence_mask,
+  ppo_clip_loss,
+  sapo_loss,
+  vespo_loss,
+  vespo_weights,
+)
 from jrl.losses.preference import (
   bradley_terry_loss,
   dpo_loss,

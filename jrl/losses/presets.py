@@ -38,7 +38,7 @@ class GRPOPreset(NamedTuple):
   log_ratio_clamp: float | None  # clamp on log ρ before exp, None for none.
   loss_agg: str  # one of reductions.AGGREGATION_MODES.
   loss_norm: float | None  # seq-mean-token-sum-norm constant; None: padded T.
-  kl_estimator: str  # 'k1' | 'abs' | 'k2' | 'k3'.
+  kl_estimator: str  # one of kl.KL_ESTIMATORS ('k3_ratio_corrected' uses old_logp).
   kl_input_clamp: float | None  # clamp on log(π/π_ref) before the estimator.
   kl_output_clamp: float | None  # clamp on the per-token KL estimate.
   kl_coef: float  # β of the KL term in the loss (0 turns it off).
@@ -69,8 +69,10 @@ PRESETS = {
   ),
   # trl GRPOTrainer: (r - mean) / (std + 1e-4), scale_rewards="group", a lone
   # sample gets std 0 hence advantage 0; epsilon 0.2 = epsilon_high; no dual
-  # clip, no clamp; loss_type "dapo" (global token mean); k3 without clamps,
-  # beta 0.0.
+  # clip, no clamp; loss_type "dapo" (global token mean); beta 0.0; k3
+  # without clamps, times the differentiable ratio π/π_old
+  # (use_bias_correction_kl=True, GRPOConfig's default in TRL 1.16; earlier
+  # releases defaulted to False: _replace(kl_estimator='k3') for those).
   'trl': GRPOPreset(
     name='trl',
     advantage='group',
@@ -84,7 +86,7 @@ PRESETS = {
     log_ratio_clamp=None,
     loss_agg='token-mean',
     loss_norm=None,
-    kl_estimator='k3',
+    kl_estimator='k3_ratio_corrected',
     kl_input_clamp=None,
     kl_output_clamp=None,
     kl_coef=0.0,
@@ -224,6 +226,8 @@ def grpo_loss(
 
     A = preset advantages of `rewards`, broadcast over each response's tokens
     ℓ_t = PPO-clip(logp, old_logp, A) + β · KL_t(logp ‖ ref_logp)
+          (KL_t: `preset.kl_estimator`; 'k3_ratio_corrected' multiplies k3 by
+          exp(logp − old_logp), see `jrl.losses.kl`)
     loss = aggregate(ℓ, mask, preset.loss_agg)
 
   Args:
@@ -275,6 +279,7 @@ def grpo_loss(
       input_clamp=preset.kl_input_clamp,
       output_clamp=preset.kl_output_clamp,
       mask=mask,
+      old_logp=old_logp,
     )
     total_BxT = pg_BxT + beta * kl_BxT
 

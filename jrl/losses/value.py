@@ -36,7 +36,8 @@ def value_loss(values, old_values, returns, mask, *, clip_eps=0.5, axis_name=Non
 
   Returns:
     (loss [B, T] float32 zero where mask is 0, metrics) with `vf_clipfrac`
-    (tokens where the clipped term was the larger) and `vpred_mean`.
+    (tokens where |V − V_old| > ε_v and the clipped term was the larger,
+    i.e. where the clip set the loss) and `vpred_mean`.
   """
   check_rank(values, 2, 'values', '[B, T]')
   check_same_shape('values', values, old_values=old_values, returns=returns, mask=mask)
@@ -51,10 +52,15 @@ def value_loss(values, old_values, returns, mask, *, clip_eps=0.5, axis_name=Non
     clipped_more = jnp.zeros_like(loss)
   else:
     check_positive(clip_eps, 'clip_eps')
-    v_clip = old_v + jnp.clip(v - old_v, -clip_eps, clip_eps)
+    delta = v - old_v
+    v_clip = old_v + jnp.clip(delta, -clip_eps, clip_eps)
     clipped = (v_clip - ret) ** 2
     loss = 0.5 * jnp.maximum(unclipped, clipped)
-    clipped_more = (clipped > unclipped).astype(jnp.float32)
+    # Inside the range V_clip is V up to rounding (V_old + (V − V_old) need
+    # not be V in float32), so `clipped > unclipped` alone counts tokens that
+    # no clip touched; count only where the clip is active.
+    outside = jnp.abs(delta) > clip_eps
+    clipped_more = (outside & (clipped > unclipped)).astype(jnp.float32)
   stop = jax.lax.stop_gradient
   metrics = {
     'vf_clipfrac': reductions.token_mean(clipped_more, m, axis_name=axis_name),

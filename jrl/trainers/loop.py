@@ -139,6 +139,12 @@ def validate(config, batch_shards):
   )
   need(config.sampler.num_slots >= rl.group_size, 'sampler.num_slots', 'must be >= rl.group_size.')
   need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
+  need(
+    rl.kl_estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
+    'rl.kl_estimator',
+    "'k3_ratio_corrected' weights the KL by π/π_old, which exists only in the loss: "
+    "set rl.kl_in='loss' or another estimator.",
+  )
   tc = config.topology
   need(tc.kind in TOPOLOGIES, 'topology.kind', f'must be one of {TOPOLOGIES}.')
   need(
@@ -328,6 +334,13 @@ def _policy_loss_config(rl):
     entropy_coef=rl.entropy_coef,
     temperature=rl.temperature,
     chunk_size=rl.chunk_size,
+    sapo_tau_pos=rl.sapo_tau_pos,
+    sapo_tau_neg=rl.sapo_tau_neg,
+    vespo_k_pos=rl.vespo_k_pos,
+    vespo_lambda_pos=rl.vespo_lambda_pos,
+    vespo_k_neg=rl.vespo_k_neg,
+    vespo_lambda_neg=rl.vespo_lambda_neg,
+    off_policy_mask_threshold=rl.off_policy_mask_threshold or None,
   )
 
 

@@ -36,7 +36,7 @@ class PolicyBatch(NamedTuple):
 class PolicyLossConfig(NamedTuple):
   """Plain values, read from `config.rl` at the edge."""
 
-  policy_loss: str = 'ppo'  # 'ppo' | 'gspo' | 'cispo'
+  policy_loss: str = 'ppo'  # one of POLICY_LOSSES
   eps_low: float = 0.2
   eps_high: float = 0.2
   dual_clip_c: float | None = None
@@ -44,15 +44,22 @@ class PolicyLossConfig(NamedTuple):
   loss_agg: str = 'token-mean'
   loss_norm: float | None = None  # seq-mean-token-sum-norm constant (None: L)
   kl_coef: float = 0.0  # KL in the loss (0: off)
-  kl_estimator: str = 'k3'
+  kl_estimator: str = 'k3'  # one of L.KL_ESTIMATORS; 'k3_ratio_corrected' uses old_logp
   kl_input_clamp: float | None = None
   kl_output_clamp: float | None = None
   entropy_coef: float = 0.0
   temperature: float = 1.0  # the sampling temperature
   chunk_size: int = 1024
+  sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0 (TRL default)
+  sapo_tau_neg: float = 1.05  # SAPO gate temperature for A <= 0 (TRL default)
+  vespo_k_pos: float = 2.0  # VESPO kernel exponent for A >= 0 (TRL default)
+  vespo_lambda_pos: float = 3.0  # VESPO kernel decay for A >= 0
+  vespo_k_neg: float = 3.0  # VESPO kernel exponent for A < 0
+  vespo_lambda_neg: float = 2.0  # VESPO kernel decay for A < 0
+  off_policy_mask_threshold: float | None = None  # δ of L.off_policy_sequence_mask (None: off)
 
 
-POLICY_LOSSES = ('ppo', 'gspo', 'cispo')
+POLICY_LOSSES = ('ppo', 'gspo', 'cispo', 'sapo', 'vespo')
 
 
 def policy_loss(params, graphdef, batch, cfg):
@@ -86,8 +93,39 @@ def policy_loss(params, graphdef, batch, cfg):
     pg, metrics = L.gspo_loss(
       logp, batch.old_logp, batch.advantages, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high
     )
-  else:
+  elif cfg.policy_loss == 'cispo':
     pg, metrics = L.cispo_loss(logp, batch.old_logp, batch.advantages, m, eps_high=cfg.eps_high)
+  elif cfg.policy_loss == 'sapo':
+    clamp = {} if cfg.log_ratio_clamp is None else {'log_ratio_clamp': cfg.log_ratio_clamp}
+    pg, metrics = L.sapo_loss(
+      logp,
+      batch.old_logp,
+      batch.advantages,
+      m,
+      tau_pos=cfg.sapo_tau_pos,
+      tau_neg=cfg.sapo_tau_neg,
+      **clamp,
+    )
+  elif cfg.policy_loss == 'vespo':
+    pg, metrics = L.vespo_loss(
+      logp,
+      batch.old_logp,
+      batch.advantages,
+      m,
+      k_pos=cfg.vespo_k_pos,
+      lambda_pos=cfg.vespo_lambda_pos,
+      k_neg=cfg.vespo_k_neg,
+      lambda_neg=cfg.vespo_lambda_neg,
+    )
+  else:
+    raise ValueError(f'`policy_loss` must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}.')
+  if cfg.off_policy_mask_threshold is not None:
+    # DeepSeek-V3.2's off-policy sequence mask, against the behaviour logprobs.
+    keep, opsm_metrics = L.off_policy_sequence_mask(
+      logp, batch.old_logp, batch.advantages, m, threshold=cfg.off_policy_mask_threshold
+    )
+    pg = pg * keep
+    metrics.update(opsm_metrics)
   is_weights = getattr(batch, 'is_weights', None)
   if is_weights is not None:
     pg = pg * is_weights
@@ -101,6 +139,7 @@ def policy_loss(params, graphdef, batch, cfg):
       input_clamp=cfg.kl_input_clamp,
       output_clamp=cfg.kl_output_clamp,
       mask=m,
+      old_logp=batch.old_logp,
     )
     total = total + cfg.kl_coef * kl
   if cfg.entropy_coef:

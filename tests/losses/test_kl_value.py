@@ -420,6 +420,25 @@ def test_value_loss_hand_computed_unclipped():
   assert float(metrics['vf_clipfrac']) == 0.0
 
 
+def test_value_clipfrac_ignores_rounding_inside_the_clip_range():
+  # V_old = 0.1, V = 0.02, R = 0, ε_v = 0.5: |V − V_old| = 0.08, far inside the
+  # range, so nothing is clipped. In float32 V_old + (V − V_old) is
+  # 0.020000003, not V = 0.02, and its squared error is the larger: a
+  # "clipped term larger" count alone reports 1/1 here.
+  v, old, ret, mask = _f32(_row([0.02]), _row([0.1]), _row([0.0]), _row([1.0]))
+  f32 = np.float32
+  assert f32(0.1) + (f32(0.02) - f32(0.1)) != f32(0.02)  # the rounding the case relies on
+  loss, metrics, (grad, _, _) = _value_and_grads(v, old, ret, mask, clip_eps=0.5)
+  assert float(metrics['vf_clipfrac']) == 0.0
+  # The loss and gradient are the unclipped ones up to that rounding: ½·0.02², 0.02.
+  np.testing.assert_allclose(loss[0, 0], 0.5 * 0.02**2, rtol=1e-6)
+  np.testing.assert_allclose(grad[0, 0], 0.02, rtol=1e-6)
+  # Clipped tokens are still counted: V = 0.8 (|V − V_old| = 0.7 > 0.5), R = 1.
+  v, ret = _f32(_row([0.8]), _row([1.0]))
+  _, metrics, _ = _value_and_grads(v, old, ret, mask, clip_eps=0.5)
+  assert float(metrics['vf_clipfrac']) == 1.0
+
+
 def _np_value_loss(values, old_values, returns, mask, clip_eps):
   """Float64 reference: (loss, vf_clipfrac, vpred_mean, expected d(sum loss)/dV)."""
   v, old, ret, m = (np.asarray(x, np.float64) for x in (values, old_values, returns, mask))
@@ -429,9 +448,10 @@ def _np_value_loss(values, old_values, returns, mask, clip_eps):
   if clip_eps is not None:
     v_clip = old + np.clip(v - old, -clip_eps, clip_eps)
     clipped = (v_clip - ret) ** 2
-    clipped_more = clipped > unclipped
+    # Counted only where the clip is active (|V − V_old| > ε_v) and it sets the loss.
+    clipped_more = (np.abs(v - old) > clip_eps) & (clipped > unclipped)
     # The clipped branch is active and V is beyond the clip range: constant.
-    grad = np.where(clipped_more & (np.abs(v - old) > clip_eps), 0.0, grad)
+    grad = np.where(clipped_more, 0.0, grad)
     unclipped = np.maximum(unclipped, clipped)
   count = max(m.sum(), 1.0)
   return 0.5 * unclipped * m, (clipped_more * m).sum() / count, (v * m).sum() / count, grad * m

@@ -40,7 +40,7 @@ def _ref_verl(logp, old, ref, rewards, mask, g, beta=0.001):
   return _masked_mean(pg + beta * kl, mask)
 
 
-def _ref_trl(logp, old, ref, rewards, mask, g, beta=0.0):
+def _ref_trl(logp, old, ref, rewards, mask, g, beta=0.0, use_bias_correction_kl=True):
   grouped = rewards.reshape(-1, g)
   mean = grouped.mean(1).repeat(g)
   std = (grouped.std(1, ddof=1) if g > 1 else np.zeros(len(grouped))).repeat(g)
@@ -49,7 +49,10 @@ def _ref_trl(logp, old, ref, rewards, mask, g, beta=0.0):
   coef_2 = np.clip(coef_1, 0.8, 1.2)
   per_token = -np.minimum(coef_1 * adv[:, None], coef_2 * adv[:, None])
   d = ref - logp
-  per_token = per_token + beta * (np.exp(d) - d - 1.0)
+  per_token_kl = np.exp(d) - d - 1.0
+  if use_bias_correction_kl:
+    per_token_kl = per_token_kl * coef_1
+  per_token = per_token + beta * per_token_kl
   return (per_token * mask).sum() / max(mask.sum(), 1.0)
 
 
@@ -131,6 +134,59 @@ def test_kl_term_matches_with_the_framework_default_coefficient(name):
   expected = REFERENCES[name](logp, old, ref, rewards, mask, g=4, beta=beta)
   got = _jrl(name, logp, old, ref, rewards, mask, 4, kl_coef=beta)
   np.testing.assert_allclose(got, expected, rtol=2e-5)
+
+
+def test_trl_preset_kl_is_ratio_corrected_k3_as_trls_default():
+  # GRPOConfig(use_bias_correction_kl=True) is TRL 1.16's default: with β > 0
+  # the preset's KL term is k3 times π/π_old; releases before it defaulted to
+  # plain k3, which `_replace(kl_estimator='k3')` gives, and which differs on a
+  # batch where old_logp ≠ logp.
+  logp, old, ref, rewards, mask = _batch(12, scale=0.5)
+  assert L.get_preset('trl').kl_estimator == 'k3_ratio_corrected'
+  got = _jrl('trl', logp, old, ref, rewards, mask, 4, kl_coef=0.5)
+  plain = _ref_trl(logp, old, ref, rewards, mask, 4, beta=0.5, use_bias_correction_kl=False)
+  corrected = _ref_trl(logp, old, ref, rewards, mask, 4, beta=0.5)
+  np.testing.assert_allclose(got, corrected, rtol=2e-5)
+  assert abs(plain - corrected) > 1e-3
+  old_default = L.get_preset('trl')._replace(kl_estimator='k3')
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  got_plain = L.grpo_loss(
+    f32(logp), f32(old), f32(ref), f32(rewards), f32(mask), group_size=4,
+    preset=old_default, kl_coef=0.5,
+  )[0]  # fmt: skip
+  np.testing.assert_allclose(float(got_plain), plain, rtol=2e-5)
+
+
+@pytest.mark.parametrize('seed', range(3))
+def test_trl_use_bias_correction_kl_is_k3_ratio_corrected(seed):
+  # TRL's per_token_kl * coef_1 (coef_1 = exp(logp − old), differentiated):
+  # value and gradient of the whole GRPO loss against TRL's form.
+  logp, old, ref, rewards, mask = _batch(20 + seed, scale=0.5)
+  preset = L.get_preset('trl')._replace(kl_estimator='k3_ratio_corrected')
+  beta = 0.3
+  want = _ref_trl(logp, old, ref, rewards, mask, 4, beta=beta, use_bias_correction_kl=True)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+  def loss_fn(lp):
+    return L.grpo_loss(
+      lp, f32(old), f32(ref), f32(rewards), f32(mask), group_size=4, preset=preset, kl_coef=beta
+    )[0]
+
+  loss, grad = jax.value_and_grad(loss_fn)(f32(logp))
+  np.testing.assert_allclose(float(loss), want, rtol=2e-5)
+  h = 1e-6
+  for i, j in [(0, 0), (2, 1), (5, 0), (7, 3)]:
+    if mask[i, j] == 0:
+      continue
+    up, down = logp.copy(), logp.copy()
+    up[i, j] += h
+    down[i, j] -= h
+    ref_kw = dict(beta=beta, use_bias_correction_kl=True)
+    fd = (
+      _ref_trl(up, old, ref, rewards, mask, 4, **ref_kw)
+      - _ref_trl(down, old, ref, rewards, mask, 4, **ref_kw)
+    ) / (2 * h)
+    assert float(grad[i, j]) == pytest.approx(fd, rel=1e-3, abs=1e-6)
 
 
 def test_presets_differ_where_the_frameworks_do():

@@ -180,6 +180,34 @@ def _ppo_args(d):
   return d['logp'], d['old_logp'], np.asarray(adv), d['mask']
 
 
+def _soft(logp, old_logp, adv, mask, *, name, axis_name=None):
+  """SAPO / VESPO under the off-policy sequence mask, token-mean, with metrics."""
+  fn = {'sapo': jrl.losses.sapo_loss, 'vespo': jrl.losses.vespo_loss}[name]
+  loss_BxT, metrics = fn(logp, old_logp, adv, mask, axis_name=axis_name)
+  keep, opsm = jrl.losses.off_policy_sequence_mask(
+    logp, old_logp, adv[:, 0], mask, threshold=0.05, axis_name=axis_name
+  )
+  loss = jrl.losses.token_mean(loss_BxT * keep[:, None], mask, axis_name=axis_name)
+  return loss, {**metrics, **opsm}
+
+
+@pytest.mark.parametrize('name', ['sapo', 'vespo'])
+def test_soft_losses_and_off_policy_mask_shard_map_equal_single_device(name):
+  d = _batch(9)
+  args = _ppo_args(d)
+  args = (0.5 * args[1] + 0.5 * args[0], *args[1:])  # milder ratios: VESPO's W spread
+  want_loss, want_metrics = _soft(*args, name=name)
+  assert 0.0 < want_metrics['opsm_dropped_frac'] < 1.0  # the mask is exercised
+  sharded = _shard_map(functools.partial(_soft, name=name, axis_name=AXIS), 4)
+  loss, metrics = sharded(*args)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+  assert metrics.keys() == want_metrics.keys()
+  _assert_tree_close(metrics, want_metrics)
+  want_g = jax.grad(lambda lp: _soft(lp, *args[1:], name=name)[0])(args[0])
+  g = _grad(lambda lp: sharded(lp, *args[1:])[0])(args[0])
+  np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize('mode', MODES)
 def test_ppo_clip_shard_map_equals_single_device(mode):
   d = _batch(4)

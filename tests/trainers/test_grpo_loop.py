@@ -918,3 +918,48 @@ def test_resumed_run_has_no_duplicated_steps(resumed_runs):
   broken = [r['step'] for r in records(resumed_runs['broken'])]
   assert straight == list(range(RESUME_TOTAL + 1))
   assert broken == straight
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {'rl.policy_loss': 'sapo', 'rl.sapo_tau_neg': 2.0},
+    {'rl.policy_loss': 'vespo', 'rl.vespo_k_pos': 1.0},
+    {'rl.kl_coef': 0.05, 'rl.kl_estimator': 'k3_ratio_corrected'},
+    {'rl.off_policy_mask_threshold': 0.5},
+  ],
+)
+def test_trl_objectives_reach_the_loss_from_config(overrides):
+  """The TRL-style objectives and their settings go from `rl.*` to the loss."""
+  cfg = loop._policy_loss_config(shrunk_config('/tmp/unused', overrides).rl)
+  for key, value in overrides.items():
+    assert getattr(cfg, key.split('.', 1)[1]) == value
+
+
+def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):
+  config = shrunk_config(
+    tmp_path, {'rl.kl_coef': 0.05, 'rl.kl_in': 'reward', 'rl.kl_estimator': 'k3_ratio_corrected'}
+  )
+  with pytest.raises(ValueError, match=r'rl\.kl_estimator'):
+    loop.validate(config, 1)
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {
+      'rl.policy_loss': 'sapo',
+      'rl.kl_coef': 0.05,
+      'rl.kl_estimator': 'k3_ratio_corrected',
+      'rl.off_policy_mask_threshold': 0.5,
+    },
+    {'rl.policy_loss': 'vespo'},
+  ],
+)
+def test_trl_objectives_train(tmp_path, overrides):
+  """One RL iteration with each TRL-style objective: finite loss, an update."""
+  config = shrunk_config(tmp_path, {**QUIET, 'sft.steps': 0, 'rl.steps': 1, **overrides})
+  state = loop.run(config)
+  (record,) = records(config.workdir)
+  assert np.isfinite(record['actor/pg_loss']) and record['actor/nonfinite'] == 0.0
+  assert int(state.step) == 2  # two minibatches
