@@ -6,11 +6,15 @@ A reward function is batched:
 
 returning one score per completion, or None for "could not score" (e.g. no
 answer could be parsed). Functions are registered by name with `@register`
-so that configs (and worker processes) can find them;
+so that configs (and worker processes) can find them, or named in config by
+import path (`'my_project.rewards:score'`, importable from the directory the
+run starts in or from PYTHONPATH);
 `jrl.rewards.service.RewardService` runs several of them with weights and
 keeps each one's scores for metrics.
 """
 
+import functools
+import importlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,10 +33,40 @@ def register(name):
   return wrap
 
 
+def load_object(path, what):
+  """The object at a dotted import path: 'package.module:name' or
+  'package.module.name'. Raises ValueError naming `what`, the path and the cause."""
+  module_name, sep, attr = path.partition(':')
+  if not sep:
+    module_name, _, attr = path.rpartition('.')
+  if not module_name or not attr:
+    raise ValueError(f'{what} {path!r} is not an import path like "package.module:name".')
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f'{what} {path!r}: cannot import {module_name!r} ({e}).') from e
+  try:
+    return functools.reduce(getattr, attr.split('.'), module)
+  except AttributeError as e:
+    raise ValueError(f'{what} {path!r}: {module_name!r} has no {attr!r}.') from e
+
+
 def get_reward_fn(name):
-  if name not in REGISTRY:
-    raise ValueError(f'unknown reward function {name!r}; registered: {sorted(REGISTRY)}.')
-  return REGISTRY[name]
+  """The reward function registered as `name`, or found at the import path
+  `name` ('my_project.rewards:score'; then registered under that name, so
+  reward worker processes find it the same way, by importing its module)."""
+  if name in REGISTRY:
+    return REGISTRY[name]
+  if '.' in name or ':' in name:
+    fn = load_object(name, 'reward function')
+    if not callable(fn):
+      raise ValueError(f'reward function {name!r} is a {type(fn).__name__}, not a function.')
+    REGISTRY[name] = fn
+    return fn
+  raise ValueError(
+    f'unknown reward function {name!r}; registered: {sorted(REGISTRY)} '
+    '(or give an import path, "package.module:function").'
+  )
 
 
 class ScoredBatch(NamedTuple):

@@ -13,6 +13,7 @@ import pytest
 from jrl import models
 from jrl.models.tokenizer import CharTokenizer
 from jrl.rewards import RewardService, format_think_answer, make_regex_reward, overlong_penalty
+from jrl.rewards import base as rewards_base
 from jrl.rewards.model import RewardModel
 from jrl.rewards.server import RemoteRewardService, make_server
 from tests.rewards import fixtures  # registers the test functions
@@ -293,3 +294,45 @@ def test_a_hung_reward_never_blocks_exit(mode):
   )
   assert out.returncode == 0, out.stderr
   assert 'timeouts 1' in out.stdout
+
+
+_USER_MODULE = """
+def count_words(prompts, completions, metadata):
+  return [float(len(c.split())) for c in completions]
+
+NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.mark.parametrize('mode', ['process', 'thread'])
+@pytest.mark.parametrize('path', ['jrl_user_rewards:count_words', 'jrl_user_rewards.count_words'])
+def test_reward_functions_by_import_path(tmp_path, monkeypatch, mode, path):
+  """A reward function named by import path in config runs without
+  registration, in worker processes too (they import it the same way)."""
+  (tmp_path / 'jrl_user_rewards.py').write_text(_USER_MODULE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv(
+    'PYTHONPATH', os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')])
+  )
+  monkeypatch.delitem(rewards_base.REGISTRY, path, raising=False)
+  with RewardService([path], mode=mode, workers=1) as service:
+    scored = service(['', ''], ['one two three', 'four'], [{}, {}])
+  assert scored.failures[path] == 0, scored.errors
+  np.testing.assert_array_equal(scored.per_fn[path], [3.0, 1.0])
+  rewards_base.REGISTRY.pop(path, None)
+
+
+@pytest.mark.parametrize(
+  'path, cause',
+  [
+    ('no_such_module_xyz:fn', 'cannot import'),
+    ('jrl_user_rewards:missing', 'has no'),
+    ('jrl_user_rewards:NOT_A_FUNCTION', 'not a function'),
+  ],
+)
+def test_a_bad_import_path_is_named_at_start_up(tmp_path, monkeypatch, path, cause):
+  (tmp_path / 'jrl_user_rewards.py').write_text(_USER_MODULE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ValueError, match=cause) as info:
+    RewardService([path], mode='thread')
+  assert path in str(info.value)
