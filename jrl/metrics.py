@@ -1,16 +1,30 @@
-"""Metric writers: console with a progress bar, JSONL, TensorBoard, and a PNG
-of the learning curves at the end of a run.
+"""Metric writers: console with a progress bar, JSONL, TensorBoard, Weights &
+Biases (optional), and a PNG of the learning curves at the end of a run.
 
 `MetricsWriter(workdir, total_steps, resume_step)` appends to
 `workdir/metrics.jsonl`; on resume it first drops the records of steps after
 the checkpoint being resumed from (they will be recomputed), and tells
 TensorBoard to purge them too, so the history of a resumed run is the
 history of an uninterrupted one.
+
+Weights & Biases (`wandb={'project': ..., 'mode': 'offline' | 'online'}`,
+`pip install -e ".[wandb]"`): the same metric names, logged against a
+`step` metric of their own, so the records a resumed run writes again for
+the steps after its checkpoint are new points at those steps (W&B cannot
+delete points; metrics.jsonl stays the exact history). The run id is kept in
+`workdir/wandb_id`, so a resumed run continues the same W&B run; 'offline'
+writes under `workdir/wandb/` without any network (`wandb sync` uploads it
+later).
+
+`write_samples(step, samples)` logs example completions with their rewards:
+to the console (the first few, cut), `workdir/samples.jsonl`, TensorBoard
+text and a W&B table.
 """
 
 import json
 import math
 import os
+import secrets
 import sys
 import time
 
@@ -36,7 +50,11 @@ def _to_float(v):
 class MetricsWriter:
   """Writes one record per step to console, JSONL and TensorBoard."""
 
-  def __init__(self, workdir, total_steps, *, resume_step=0, tensorboard=True, log_every=1):
+  def __init__(
+    self, workdir, total_steps, *, resume_step=0, tensorboard=True, log_every=1, wandb=None
+  ):
+    """`wandb`: None (off) or a mapping with 'project' and optionally 'mode'
+    ('offline' default, 'online'), 'entity', 'name', 'config' (a dict)."""
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self.workdir = workdir
@@ -52,6 +70,7 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=purge)
     self._start = time.time()
     self._first_step = resume_step
+    self._wandb = _start_wandb(workdir, wandb) if wandb else None
 
   def _truncate(self, resume_step):
     """Keeps the records up to the checkpoint resumed from (none on a fresh start)."""
@@ -70,8 +89,36 @@ class MetricsWriter:
       for k, v in record.items():
         if k != 'step' and v is not None:
           self._tb.add_scalar(k, v, step)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in record.items() if v is not None})
     if step % self.log_every == 0 or step == self.total_steps:
       self._console(step, record)
+
+  def write_samples(self, step, samples, *, show=2, width=300):
+    """Logs example completions: `samples` is a list of dicts with at least
+    'prompt', 'completion' and 'reward' (more keys are kept in the JSONL)."""
+    path = os.path.join(self.workdir, 'samples.jsonl')
+    with open(path, 'a', encoding='utf-8') as f:
+      for sample in samples:
+        f.write(json.dumps({'step': int(step), **sample}, sort_keys=True, default=str) + '\n')
+    for sample in samples[:show]:
+      text = ' '.join(str(sample['completion']).split())
+      print(f'  sample @ {step} (reward {sample["reward"]:.3g}): {text[:width]}', flush=True)
+    if self._tb is not None:
+      rows = [
+        f'| {float(x["reward"]):.3g} | {_md(x["prompt"])} | {_md(x["completion"])} |'
+        for x in samples
+      ]
+      table = '| reward | prompt | completion |\n|---|---|---|\n' + '\n'.join(rows)
+      self._tb.add_text('samples', table, step)
+    if self._wandb is not None:
+      import wandb
+
+      columns = ['step', 'reward', 'prompt', 'completion']
+      data = [
+        [int(step), float(x['reward']), str(x['prompt']), str(x['completion'])] for x in samples
+      ]
+      self._wandb.log({'step': int(step), 'samples': wandb.Table(columns=columns, data=data)})
 
   def _console(self, step, record):
     frac = min(1.0, step / max(1, self.total_steps))
@@ -104,6 +151,49 @@ class MetricsWriter:
     self._file.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+
+def _md(text):
+  """One table cell of Markdown: pipes escaped, line breaks kept."""
+  return str(text).replace('|', '\\|').replace('\n', '<br>')
+
+
+def _start_wandb(workdir, settings):
+  """A W&B run for `workdir` (resumed when `workdir/wandb_id` exists)."""
+  settings = dict(settings)
+  try:
+    import wandb
+  except ImportError as e:
+    raise ValueError(
+      '`log.wandb_project` is set but wandb is not installed: pip install -e ".[wandb]".'
+    ) from e
+  mode = settings.get('mode', 'offline')
+  if mode not in ('offline', 'online', 'disabled'):
+    raise ValueError(f"`log.wandb_mode` must be 'offline', 'online' or 'disabled', got {mode!r}.")
+  id_path = os.path.join(workdir, 'wandb_id')
+  if os.path.exists(id_path):
+    with open(id_path, encoding='utf-8') as f:
+      run_id = f.read().strip()
+  else:
+    run_id = secrets.token_hex(4)  # W&B ids: lower-case letters and digits
+    with open(id_path, 'w', encoding='utf-8') as f:
+      f.write(run_id)
+  run = wandb.init(
+    project=settings['project'],
+    entity=settings.get('entity') or None,
+    name=settings.get('name') or os.path.basename(os.path.abspath(workdir)),
+    config=settings.get('config'),
+    dir=workdir,
+    mode=mode,
+    id=run_id,
+    resume='allow',
+  )
+  run.define_metric('step')
+  run.define_metric('*', step_metric='step')
+  return run
 
 
 class NullWriter:
