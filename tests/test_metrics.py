@@ -10,8 +10,6 @@ import pytest
 
 from jrl import metrics
 
-wandb = pytest.importorskip('wandb')  # in the test extra; optional for users
-
 
 def _wandb_history(run_dir):
   """The history rows of an offline W&B run, read from its `.wandb` log.
