@@ -1,11 +1,16 @@
 """Meshes, logical-axis rules and parameter shardings.
 
-jrl runs on a `jax.sharding.Mesh` with three named axes:
+jrl runs on a `jax.sharding.Mesh` with four named axes:
 
 * `data`: pure data parallelism (parameters replicated);
 * `fsdp`: data parallelism with parameters (and optimiser state) sharded
   along their `embed` dimension (ZeRO-3 style; XLA gathers them per layer);
-* `tensor`: tensor (model) parallelism over heads, MLP width and vocabulary.
+* `expert`: expert parallelism: the stacked expert weights of MoE layers
+  [E, D, F] are split along E (size 1 unless asked for; other parameters
+  and the batch are replicated over it, so each device runs its experts on
+  the tokens and XLA sums the expert outputs over the axis);
+* `tensor`: tensor (model) parallelism over heads, MLP width (an expert's
+  too) and vocabulary.
 
 Every parameter carries logical axis names (`('embed', 'mlp')`, ...; the
 model defines them), and `RULES` maps logical names to mesh axes. A
@@ -20,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'expert', 'tensor')
 BATCH_AXES = ('data', 'fsdp')  # the batch dimension is split over both
 
 # logical axis -> mesh axis (None: replicated).
@@ -32,21 +37,26 @@ RULES = {
   'mlp': 'tensor',
   'norm': None,
   'head_out': None,
+  'router': None,  # [D, E] router kernel: small, replicated
+  'expert': 'expert',  # E of the stacked expert weights
+  'expert_mlp': 'tensor',  # F of one expert
 }
 
 
-def make_mesh(data=-1, fsdp=1, tensor=1, devices=None):
-  """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices.
+def make_mesh(data=-1, fsdp=1, tensor=1, devices=None, *, expert=1):
+  """A (data, fsdp, expert, tensor) mesh; one size may be -1 to take the
+  remaining devices.
 
   Args:
-    data, fsdp, tensor: axis sizes; their product must equal the device count.
+    data, fsdp, tensor, expert: axis sizes; their product must equal the
+      device count.
     devices: devices to use (default: all of `jax.devices()`).
 
   Returns:
     jax.sharding.Mesh with axis names MESH_AXES (auto sharding mode).
   """
   devices = list(jax.devices() if devices is None else devices)
-  sizes = {'data': data, 'fsdp': fsdp, 'tensor': tensor}
+  sizes = {'data': data, 'fsdp': fsdp, 'expert': expert, 'tensor': tensor}
   for name, size in sizes.items():
     if not isinstance(size, int) or size == 0 or size < -1:
       raise ValueError(f'mesh axis `{name}` must be a positive int or -1, got {size!r}.')

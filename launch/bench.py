@@ -1,7 +1,7 @@
 """Benchmarks that print figures. Speed and memory goals live here, not in tests.
 
     python launch/bench.py logprobs [--tokens 2048 --vocab 32768 --width 256 --chunk 256]
-    python launch/bench.py model [--size cpu-20m|gpu-0.5b --batch 8 --seq 256]
+    python launch/bench.py model [--size cpu-20m|cpu-moe-60m|gpu-0.5b|gpu-moe-1b --seq 256]
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py grpo [--setup default|larger --steps 4]
     python launch/bench.py topology [--setup default|larger --steps 10]
@@ -115,8 +115,30 @@ MODEL_SIZES = {
     head_dim=64,
     tie_embeddings=True,
   ),
+  # A Qwen3-MoE layout of the same width: 8 experts, top 2 (~61M parameters, ~25M active).
+  'cpu-moe-60m': dict(
+    family='qwen3_moe',
+    vocab_size=8192,
+    width=512,
+    mlp_width=1408,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    qk_norm=True,
+    tie_embeddings=True,
+    num_experts=8,
+    experts_per_token=2,
+    moe_mlp_width=704,
+  ),
   # The shape of Qwen2.5-0.5B (~494M parameters).
   'gpu-0.5b': {**costmodel.MODEL_PRESETS['qwen2.5-0.5b'], 'family': 'qwen2'},
+  # Qwen3-30B-A3B's layers at a quarter of the depth and experts: 32 experts, top 8.
+  'gpu-moe-1b': {
+    **costmodel.MODEL_PRESETS['qwen3-30b-a3b'],
+    'num_layers': 12,
+    'num_experts': 32,
+  },
 }
 
 
@@ -138,19 +160,23 @@ def measure_matmul_peak(n=2048, dtype='float32', repeats=10):
 
 def model_flops_per_token(config, seq):
   """Matmul FLOPs per token of a forward pass: 2 per weight multiply-add
-  (LM head included, embedding lookup excluded) plus causal attention."""
+  (LM head included, embedding lookup excluded; of a MoE layer the router and
+  the k routed experts only) plus causal attention."""
   c = config
-  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  per_layer = 2 * (c.width * q + 2 * c.width * kv + q * c.width + 3 * c.width * c.mlp_width)
-  # QK^T and PV over on average seq/2 keys.
-  per_layer += 2 * 2 * q * (seq / 2)
-  return c.num_layers * per_layer + 2 * c.width * c.vocab_size
+  q = c.num_heads * c.head_dim
+  # QK^T and PV over on average seq/2 keys (at most the window on sliding layers).
+  keys = sum(
+    seq / 2 if c.window(i) is None else min(seq / 2, c.window(i)) for i in range(c.num_layers)
+  )
+  return 2 * costmodel.matmul_params(c) + 2 * 2 * q * keys
 
 
 def bench_model(args):
   from jrl import models
 
   config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
+  if config.num_experts:
+    config = config.replace(moe_impl=args.moe_impl)
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
   b, t = args.batch, args.seq
   tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0, config.vocab_size)
@@ -164,7 +190,8 @@ def bench_model(args):
   fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
   backend = jax.default_backend()
   print(
-    f'model {args.size}: {config.num_params() / 1e6:.1f}M params, batch {b}x{t}, '
+    f'model {args.size}: {config.num_params() / 1e6:.1f}M params '
+    f'({config.num_params(active=True) / 1e6:.1f}M active), batch {b}x{t}, '
     f'compute {config.compute_dtype}, backend {backend} ({jax.devices()[0].device_kind})'
   )
   flops_tok = model_flops_per_token(config, t)
@@ -574,7 +601,9 @@ def bench_rewards(args):
   start = time.perf_counter()
   math_answer([''] * n_sym, sym_completions, sym_metadata)
   sym_s = time.perf_counter() - start
-  print(f'  math_answer, symbolic answers (math-verify), in-process: {n_sym / sym_s:7.0f} rewards/s')
+  print(
+    f'  math_answer, symbolic answers (math-verify), in-process: {n_sym / sym_s:7.0f} rewards/s'
+  )
 
   limits = sandbox.Limits(wall_seconds=5, cpu_seconds=5)
   start = time.perf_counter()
@@ -608,6 +637,7 @@ def main():
   p.add_argument('--compute_dtype', default='float32')
   p.add_argument('--peak_dtype', default='float32', help='dtype of the peak-measuring matmul')
   p.add_argument('--repeats', type=int, default=5)
+  p.add_argument('--moe_impl', choices=('ragged', 'dense'), default='ragged', help='MoE dispatch')
   p = sub.add_parser('sampler', help='paged sampler vs dense static-batch baseline')
   p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
   p.add_argument('--compute_dtype', default='float32')

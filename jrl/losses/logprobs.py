@@ -157,12 +157,15 @@ def token_logprobs_from_hidden(
   chunk_size=_DEFAULT_CHUNK,
   with_entropy=False,
   bias=None,
+  softcap=None,
 ):
   """Target-token logprobs (and entropy) from final hidden states.
 
   Computes logits = hidden @ unembed (+ bias) one chunk of rows at a time, so
   the [B, T, V] logits never exist whole. The matmul runs in the dtype of
-  `hidden`/`unembed` (the compute dtype); the softmax in float32.
+  `hidden`/`unembed` (the compute dtype); the softmax in float32. With
+  `softcap` c the logits become c·tanh(logits / c) in float32 first (Gemma 2's
+  final logit soft-capping), before the temperature.
 
   Args:
     hidden: [B, T, D] final (normed) hidden states.
@@ -172,11 +175,14 @@ def token_logprobs_from_hidden(
     chunk_size: rows of B·T per chunk (None: all at once).
     with_entropy: also return the entropy (else zeros).
     bias: optional [V] output bias.
+    softcap: optional Python float > 0: logit soft-cap.
 
   Returns:
     (logp [B, T] float32, entropy [B, T] float32).
   """
   check_rank(hidden, 3, 'hidden', '[B, T, D]')
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f'`softcap` must be > 0 or None, got {softcap!r}.')
   check_rank(unembed, 2, 'unembed', '[D, V]')
   _check_targets(targets)
   _check_temperature(temperature)
@@ -195,6 +201,10 @@ def token_logprobs_from_hidden(
     logits_NxV = hidden_NxD @ unembed
     if bias is not None:
       logits_NxV = logits_NxV + bias
+    if softcap is not None:
+      # Soft-capping in float32.
+      cap = jnp.float32(softcap)
+      logits_NxV = cap * jnp.tanh(logits_NxV.astype(jnp.float32) / cap)
     return _stats_from_logits(logits_NxV, targets_N, temperature, with_entropy)
 
   logp_N, entropy_N = _chunked(

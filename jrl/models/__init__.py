@@ -1,6 +1,6 @@
 """jrl.models: one transformer for policy, reference, critic and reward model."""
 
-from jrl.models.config import ModelConfig, RopeScaling
+from jrl.models.config import LinearRopeScaling, ModelConfig, RopeScaling
 from jrl.models.transformer import (
   abstract,
   causal_attention,
@@ -12,6 +12,7 @@ from jrl.models.transformer import (
   next_token_logprobs,
   param_logical_axes,
   positions_from_mask,
+  router_load_balancing_loss,
   sequence_scores,
   values,
 )

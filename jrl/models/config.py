@@ -1,11 +1,28 @@
-"""Model configuration: the Llama 3 and Qwen2 / Qwen2.5 / Qwen3 families.
+"""Model configuration: Llama 3, Qwen2 / 2.5 / 3, Qwen3-MoE, Mistral, Gemma 2
+and Gemma 3 (text).
 
 `ModelConfig` is a frozen dataclass of plain values; it is hashable and lives
-in the model's static graph. `ModelConfig.from_hf(dict)` reads a Hugging Face
-`config.json` (old style with `rope_theta` / `rope_scaling`, or the newer
-`rope_parameters`), and refuses what it cannot run exactly (an unknown
-architecture, sliding-window attention, an activation other than SiLU, a
-rope type other than default / llama3) with an error naming the field.
+in the model's static graph. The families differ only in fields of this one
+config (the model code is shared):
+
+| family    | what its fields switch on                                            |
+|-----------|----------------------------------------------------------------------|
+| llama     | the base: RMSNorm, RoPE (Llama 3 scaling), GQA, SwiGLU               |
+| qwen2     | + q/k/v biases                                                       |
+| qwen3     | + q/k RMSNorm                                                        |
+| qwen3_moe | + top-k routed experts (`num_experts`, `experts_per_token`, ...)     |
+| mistral   | + a sliding window on every layer (`sliding_window`)                 |
+| gemma2    | (1 + w) norms, sqrt(D) embedding scale, GeGLU, post-attention and    |
+|           | post-MLP norms, query_pre_attn_scalar, attention and final logit     |
+|           | soft-capping, local (sliding) and global layers (`layer_types`)      |
+| gemma3    | gemma2 without soft-capping, + q/k norm and a second rope base for   |
+|           | the local layers (`local_rope_theta`)                                |
+
+`ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` (old style
+with `rope_theta` / `rope_scaling`, or the newer `rope_parameters`), and
+refuses what it cannot run exactly (an unknown architecture, an unsupported
+activation, a rope type other than default / linear / llama3, Qwen2's
+sliding window) with an error naming the field.
 """
 
 import dataclasses
@@ -17,11 +34,33 @@ ARCHITECTURES = {
   'LlamaForCausalLM': 'llama',
   'Qwen2ForCausalLM': 'qwen2',
   'Qwen3ForCausalLM': 'qwen3',
+  'Qwen3MoeForCausalLM': 'qwen3_moe',
+  'MistralForCausalLM': 'mistral',
+  'Gemma2ForCausalLM': 'gemma2',
+  'Gemma3ForCausalLM': 'gemma3',
   'LlamaForSequenceClassification': 'llama',
   'Qwen2ForSequenceClassification': 'qwen2',
   'Qwen3ForSequenceClassification': 'qwen3',
+  'Qwen3MoeForSequenceClassification': 'qwen3_moe',
+  'MistralForSequenceClassification': 'mistral',
+  'Gemma2ForSequenceClassification': 'gemma2',
+  'Gemma3TextForSequenceClassification': 'gemma3',
 }
+# family -> (Hugging Face model_type, class name prefix).
+FAMILIES = {
+  'llama': ('llama', 'Llama'),
+  'qwen2': ('qwen2', 'Qwen2'),
+  'qwen3': ('qwen3', 'Qwen3'),
+  'qwen3_moe': ('qwen3_moe', 'Qwen3Moe'),
+  'mistral': ('mistral', 'Mistral'),
+  'gemma2': ('gemma2', 'Gemma2'),
+  'gemma3': ('gemma3_text', 'Gemma3'),
+}
+_MODEL_TYPES = {model_type: family for family, (model_type, _) in FAMILIES.items()}
 DTYPES = ('float32', 'bfloat16', 'float16')
+ACTIVATIONS = ('silu', 'gelu_tanh')  # SwiGLU; GeGLU with the tanh approximation of GELU
+LAYER_TYPES = ('full', 'sliding')
+MOE_IMPLS = ('ragged', 'dense')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +74,18 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Position interpolation (rope_type 'linear'): inverse frequencies / factor."""
+
+  factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shape and numerics of a decoder-only transformer.
 
   Dimension letters: V vocab, D width, F MLP width, L layers, H query heads,
-  K key/value heads, d head width.
+  K key/value heads, d head width, E experts.
   """
 
   vocab_size: int  # V
@@ -49,13 +95,34 @@ class ModelConfig:
   num_heads: int  # H
   num_kv_heads: int  # K; H % K == 0 (grouped-query attention)
   head_dim: int  # d
-  family: str = 'llama'  # 'llama' | 'qwen2' | 'qwen3', for messages only
+  family: str = 'llama'  # a key of FAMILIES: the names written by `to_hf`
   rms_eps: float = 1e-6
-  rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
+  rope_theta: float = 10000.0  # rope base (of the global layers when local_rope_theta is set)
+  rope_scaling: RopeScaling | LinearRopeScaling | None = None  # global layers only
   qkv_bias: bool = False  # Qwen2 / Qwen2.5
-  qk_norm: bool = False  # Qwen3: RMSNorm over d on queries and keys
+  qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over d on queries and keys
   tie_embeddings: bool = False  # unembedding = embedding transposed
+  activation: str = 'silu'  # MLP gate: 'silu' (SwiGLU) | 'gelu_tanh' (GeGLU, Gemma)
+  # Attention variants.
+  sliding_window: int | None = None  # W: a query sees keys < W positions back (None: all)
+  layer_types: tuple[str, ...] | None = None  # per layer 'full' | 'sliding' (None: all
+  # sliding when sliding_window is set, else all full)
+  local_rope_theta: float | None = None  # Gemma 3: rope base of the sliding layers
+  attn_scale: float | None = None  # score scale; Gemma: query_pre_attn_scalar**-0.5 (None: d**-0.5)
+  attn_softcap: float | None = None  # Gemma 2: scores -> c·tanh(scores / c)
+  final_softcap: float | None = None  # Gemma 2: logits -> c·tanh(logits / c)
+  # Gemma block numerics.
+  norm_plus_one: bool = False  # RMSNorm scales by (1 + w), in float32 before the cast
+  embed_scale: bool = False  # embeddings times sqrt(D), rounded to the compute dtype
+  post_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual add
+  # Mixture of experts (Qwen3-MoE layout); num_experts = 0: every MLP is dense.
+  num_experts: int = 0  # E
+  experts_per_token: int = 0  # k: top-k routing
+  moe_mlp_width: int = 0  # F of one expert
+  norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
+  moe_step: int = 1  # layer i is MoE iff (i + 1) % moe_step == 0 (HF decoder_sparse_step) ...
+  dense_layers: tuple[int, ...] = ()  # ... and i not in dense_layers (HF mlp_only_layers)
+  moe_impl: str = 'ragged'  # dispatch: 'ragged' (sorted tokens, k/E of the FLOPs) | 'dense'
   max_positions: int = 4096
   init_std: float = 0.02  # normal init of kernels and embeddings
   param_dtype: str = 'float32'  # storage dtype of the parameters
@@ -83,6 +150,40 @@ class ModelConfig:
       raise ValueError(f'`rms_eps` must be > 0, got {self.rms_eps}.')
     if not self.rope_theta > 0:
       raise ValueError(f'`rope_theta` must be > 0, got {self.rope_theta}.')
+    if self.family not in FAMILIES:
+      raise ValueError(f'`family` must be one of {sorted(FAMILIES)}, got {self.family!r}.')
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f'`activation` must be one of {ACTIVATIONS}, got {self.activation!r}.')
+    if self.sliding_window is not None:
+      _positive_int(self.sliding_window, 'sliding_window')
+    if self.layer_types is not None:
+      if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+        raise ValueError(
+          f'`layer_types` must be a tuple of {self.num_layers} entries, got {self.layer_types!r}.'
+        )
+      bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if bad:
+        raise ValueError(f'`layer_types` entries must be in {LAYER_TYPES}, got {bad}.')
+      if 'sliding' in self.layer_types and self.sliding_window is None:
+        raise ValueError('`layer_types` has sliding layers but `sliding_window` is None.')
+    for name in ('local_rope_theta', 'attn_scale', 'attn_softcap', 'final_softcap'):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f'`{name}` must be > 0 or None, got {value!r}.')
+    if self.num_experts:
+      for name in ('num_experts', 'experts_per_token', 'moe_mlp_width', 'moe_step'):
+        _positive_int(getattr(self, name), name)
+      if self.experts_per_token > self.num_experts:
+        raise ValueError(
+          f'`experts_per_token` ({self.experts_per_token}) exceeds `num_experts` '
+          f'({self.num_experts}).'
+        )
+      if self.moe_impl not in MOE_IMPLS:
+        raise ValueError(f'`moe_impl` must be one of {MOE_IMPLS}, got {self.moe_impl!r}.')
+    if not isinstance(self.dense_layers, tuple):
+      raise ValueError(
+        f'`dense_layers` must be a tuple of layer indices, got {self.dense_layers!r}.'
+      )
 
   @property
   def param_jnp_dtype(self):
@@ -95,8 +196,32 @@ class ModelConfig:
   def replace(self, **changes):
     return dataclasses.replace(self, **changes)
 
-  def num_params(self, with_lm_head=True):
-    """Parameter count (embedding counted once when tied)."""
+  # Per-layer structure.
+
+  def is_sliding(self, layer):
+    """Whether layer `layer` attends within the sliding window."""
+    if self.sliding_window is None:
+      return False
+    if self.layer_types is None:
+      return True
+    return self.layer_types[layer] == 'sliding'
+
+  def window(self, layer):
+    """The sliding window W of layer `layer`, or None (global attention)."""
+    return self.sliding_window if self.is_sliding(layer) else None
+
+  def is_moe(self, layer):
+    """Whether layer `layer` has routed experts instead of a dense MLP."""
+    return (
+      self.num_experts > 0 and layer not in self.dense_layers and (layer + 1) % self.moe_step == 0
+    )
+
+  def num_params(self, with_lm_head=True, active=False):
+    """Parameter count (embedding counted once when tied).
+
+    With `active`, only the parameters one token uses: k of the E experts of
+    each MoE layer (the router counted whole).
+    """
     d, f, v = self.width, self.mlp_width, self.vocab_size
     q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
     attn = d * q + 2 * d * kv + q * d
@@ -104,9 +229,17 @@ class ModelConfig:
       attn += q + 2 * kv
     if self.qk_norm:
       attn += 2 * self.head_dim
-    layer = attn + 3 * d * f + 2 * d
+    norms = (4 if self.post_norms else 2) * d
+    total = 0
+    for layer in range(self.num_layers):
+      if self.is_moe(layer):
+        experts = self.experts_per_token if active else self.num_experts
+        mlp = d * self.num_experts + experts * 3 * d * self.moe_mlp_width
+      else:
+        mlp = 3 * d * f
+      total += attn + mlp + norms
     head = 0 if self.tie_embeddings or not with_lm_head else d * v
-    return v * d + self.num_layers * layer + d + head
+    return v * d + total + d + head
 
   @classmethod
   def from_hf(cls, hf, *, source='config.json', **overrides):
@@ -133,21 +266,26 @@ class ModelConfig:
       family = ARCHITECTURES.get(arch)
       if family:
         break
-    if family is None and not archs and model_type in ('llama', 'qwen2', 'qwen3'):
-      family = model_type
+    if family is None and not archs and model_type in _MODEL_TYPES:
+      family = _MODEL_TYPES[model_type]
     if family is None:
       raise ValueError(
         f'{source}: unsupported architecture `architectures`={archs!r} '
         f'(model_type={model_type!r}); supported: {sorted(ARCHITECTURES)}.'
       )
-    if model_type is not None and model_type != family:
+    if model_type is not None and model_type != FAMILIES[family][0]:
       raise ValueError(
         f'{source}: `model_type`={model_type!r} contradicts `architectures`={archs!r} '
         f'(a {family} model); fix one of them.'
       )
-    act = hf.get('hidden_act', 'silu')
-    if act != 'silu':
-      raise ValueError(f'{source}: `hidden_act`={act!r} is not supported (only "silu").')
+    gemma = family in ('gemma2', 'gemma3')
+    act_key = 'hidden_activation' if gemma and hf.get('hidden_activation') else 'hidden_act'
+    act = hf.get(act_key) or ('gelu_pytorch_tanh' if gemma else 'silu')
+    activation = {'silu': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh'}.get(act)
+    if activation is None:
+      raise ValueError(
+        f'{source}: `{act_key}`={act!r} is not supported (only "silu" and "gelu_pytorch_tanh").'
+      )
     # Qwen2 applies the window to layers >= max_window_layers only.
     if hf.get('use_sliding_window', False) and hf.get('max_window_layers', 0) < hf.get(
       'num_hidden_layers', 0
@@ -158,15 +296,34 @@ class ModelConfig:
       )
     if hf.get('mlp_bias', False):
       raise ValueError(f'{source}: `mlp_bias`=true is not supported.')
+    if gemma and hf.get('attention_bias', False):
+      raise ValueError(f'{source}: `attention_bias`=true is not supported for {family}.')
+    if hf.get('use_bidirectional_attention', False):
+      raise ValueError(f'{source}: `use_bidirectional_attention`=true is not supported.')
 
     num_heads = need('num_attention_heads')
+    num_layers = need('num_hidden_layers')
     width = need('hidden_size')
     head_dim = hf.get('head_dim') or width // num_heads
     rope = dict(hf.get('rope_parameters') or {})
+    local_theta = None
+    if family == 'gemma3':
+      # Gemma 3 keeps one rope per layer type; rope_local_base_freq in older files.
+      if 'full_attention' in rope or 'sliding_attention' in rope:
+        local = dict(rope.get('sliding_attention') or {})
+        rope = dict(rope.get('full_attention') or {})
+        if local.get('rope_type', 'default') != 'default':
+          raise ValueError(
+            f'{source}: rope type {local["rope_type"]!r} on the sliding layers '
+            '(`rope_parameters.sliding_attention`) is not supported; only default.'
+          )
+        local_theta = float(local.get('rope_theta', hf.get('rope_local_base_freq', 10000.0)))
+      else:
+        local_theta = float(hf.get('rope_local_base_freq', 10000.0))
     legacy = hf.get('rope_scaling') or {}
-    rope_theta = rope.get('rope_theta', hf.get('rope_theta', 10000.0))
+    rope_theta = rope.get('rope_theta', hf.get('rope_theta', 1e6 if family == 'gemma3' else 1e4))
     rope_type = rope.get('rope_type') or legacy.get('rope_type') or legacy.get('type') or 'default'
-    scaling_src = rope if rope.get('rope_type') == 'llama3' else legacy
+    scaling_src = rope if rope.get('rope_type') in ('llama3', 'linear') else legacy
     scaling = None
     if rope_type == 'llama3':
       try:
@@ -178,16 +335,57 @@ class ModelConfig:
         )
       except KeyError as e:
         raise ValueError(f'{source}: llama3 rope scaling is missing `{e.args[0]}`.') from None
+    elif rope_type == 'linear':
+      if 'factor' not in scaling_src:
+        raise ValueError(f'{source}: linear rope scaling is missing `factor`.')
+      scaling = LinearRopeScaling(factor=float(scaling_src['factor']))
     elif rope_type != 'default':
       raise ValueError(
         f'{source}: rope type {rope_type!r} (`rope_scaling`/`rope_parameters`) is not '
-        'supported; supported: default, llama3.'
+        'supported; supported: default, linear, llama3.'
       )
+
+    window = hf.get('sliding_window') if family in ('mistral', 'gemma2', 'gemma3') else None
+    layer_types = None
+    if window is not None and gemma:
+      names = hf.get('layer_types')
+      if names is None:
+        # Gemma 2 alternates local and global layers; Gemma 3 has one global in `pattern`.
+        pattern = 2 if family == 'gemma2' else int(hf.get('sliding_window_pattern', 6))
+        names = [
+          'sliding_attention' if (i + 1) % pattern else 'full_attention' for i in range(num_layers)
+        ]
+      known = {'sliding_attention': 'sliding', 'full_attention': 'full'}
+      if len(names) != num_layers or any(n not in known for n in names):
+        raise ValueError(
+          f'{source}: `layer_types` must list {num_layers} of {sorted(known)}, got {names!r}.'
+        )
+      layer_types = tuple(known[n] for n in names)
+    elif (
+      hf.get('layer_types') is not None
+      and any(n != 'full_attention' for n in hf['layer_types'])
+      and family not in ('qwen2', 'qwen3', 'qwen3_moe')
+    ):
+      raise ValueError(f'{source}: `layer_types` other than full attention are not supported.')
+
+    query_scalar = hf.get('query_pre_attn_scalar', 256) if gemma else None
+    num_experts = 0
+    moe = {}
+    if family == 'qwen3_moe':
+      num_experts = int(hf.get('num_experts', hf.get('num_local_experts', 0)) or 0)
+      moe = {
+        'num_experts': num_experts,
+        'experts_per_token': int(need('num_experts_per_tok')) if num_experts else 0,
+        'moe_mlp_width': int(need('moe_intermediate_size')) if num_experts else 0,
+        'norm_topk_prob': bool(hf.get('norm_topk_prob', False)),
+        'moe_step': int(hf.get('decoder_sparse_step', 1)),
+        'dense_layers': tuple(int(i) for i in hf.get('mlp_only_layers') or ()),
+      }
     fields = {
       'vocab_size': need('vocab_size'),
       'width': width,
       'mlp_width': need('intermediate_size'),
-      'num_layers': need('num_hidden_layers'),
+      'num_layers': num_layers,
       'num_heads': num_heads,
       'num_kv_heads': hf.get('num_key_value_heads', num_heads),
       'head_dim': head_dim,
@@ -196,10 +394,21 @@ class ModelConfig:
       'rope_theta': float(rope_theta),
       'rope_scaling': scaling,
       'qkv_bias': bool(hf.get('attention_bias', family == 'qwen2')),
-      'qk_norm': family == 'qwen3',
-      'tie_embeddings': bool(hf.get('tie_word_embeddings', False)),
+      'qk_norm': family in ('qwen3', 'qwen3_moe', 'gemma3'),
+      'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
       'max_positions': int(hf.get('max_position_embeddings', 4096)),
       'init_std': float(hf.get('initializer_range', 0.02)),
+      'activation': activation,
+      'sliding_window': None if window is None else int(window),
+      'layer_types': layer_types,
+      'local_rope_theta': local_theta,
+      'attn_scale': None if query_scalar is None else float(query_scalar) ** -0.5,
+      'attn_softcap': _opt_float(hf.get('attn_logit_softcapping')) if gemma else None,
+      'final_softcap': _opt_float(hf.get('final_logit_softcapping')) if gemma else None,
+      'norm_plus_one': gemma,
+      'embed_scale': gemma,
+      'post_norms': gemma,
+      **moe,
     }
     fields.update(overrides)
     try:
@@ -209,10 +418,11 @@ class ModelConfig:
 
   def to_hf(self, base=None):
     """A Hugging Face `config.json` dict; `base` (the dict read) is kept and updated."""
-    arch = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}
+    model_type, prefix = FAMILIES[self.family]
     out = dict(base or {})
-    out.setdefault('architectures', [arch[self.family]])
-    out.setdefault('model_type', self.family)
+    out.setdefault('architectures', [f'{prefix}ForCausalLM'])
+    out.setdefault('model_type', model_type)
+    gemma = self.family in ('gemma2', 'gemma3')
     out.update(
       {
         'vocab_size': self.vocab_size,
@@ -225,21 +435,56 @@ class ModelConfig:
         'rms_norm_eps': self.rms_eps,
         'tie_word_embeddings': self.tie_embeddings,
         'max_position_embeddings': self.max_positions,
-        'hidden_act': 'silu',
         'initializer_range': self.init_std,
       }
     )
-    if self.family != 'qwen3':
+    act = {'silu': 'silu', 'gelu_tanh': 'gelu_pytorch_tanh'}[self.activation]
+    out['hidden_activation' if gemma else 'hidden_act'] = act
+    if self.family not in ('qwen3', 'qwen3_moe'):
       out['attention_bias'] = self.qkv_bias
-    if base is None or 'rope_parameters' in base or 'rope_theta' not in base:
-      rope = {'rope_type': 'default', 'rope_theta': self.rope_theta}
+    if self.family in ('mistral', 'gemma2', 'gemma3'):
+      out['sliding_window'] = self.sliding_window
+    if gemma:
+      if self.layer_types is not None:
+        names = {'sliding': 'sliding_attention', 'full': 'full_attention'}
+        out['layer_types'] = [names[t] for t in self.layer_types]
+      # attn_scale came from query_pre_attn_scalar; write back the value read when it still matches.
+      scalar = out.get('query_pre_attn_scalar', 256)
+      if self.attn_scale is None or not math.isclose(scalar**-0.5, self.attn_scale):
+        scalar = self.head_dim if self.attn_scale is None else self.attn_scale**-2
+        if math.isclose(scalar, round(scalar)):
+          scalar = round(scalar)  # transformers wants an int
+      out['query_pre_attn_scalar'] = scalar
+      out['attn_logit_softcapping'] = self.attn_softcap
+      out['final_logit_softcapping'] = self.final_softcap
+    if self.num_experts:
+      experts_key = 'num_local_experts' if 'num_local_experts' in out else 'num_experts'
+      out[experts_key] = self.num_experts
+      out.update(
+        {
+          'num_experts_per_tok': self.experts_per_token,
+          'moe_intermediate_size': self.moe_mlp_width,
+          'norm_topk_prob': self.norm_topk_prob,
+          'decoder_sparse_step': self.moe_step,
+          'mlp_only_layers': list(self.dense_layers),
+        }
+      )
+    if self.family == 'gemma3' and (base is None or 'rope_parameters' in base):
+      out['rope_parameters'] = {
+        'full_attention': self._rope_dict(),
+        'sliding_attention': {'rope_type': 'default', 'rope_theta': self.local_rope_theta},
+      }
+    elif self.family == 'gemma3':
+      out['rope_theta'] = self.rope_theta
+      out['rope_local_base_freq'] = self.local_rope_theta
       if self.rope_scaling is not None:
-        rope = {'rope_type': 'llama3', 'rope_theta': self.rope_theta, **self._scaling_dict()}
-      out['rope_parameters'] = rope
+        out['rope_scaling'] = {k: v for k, v in self._rope_dict().items() if k != 'rope_theta'}
+    elif base is None or 'rope_parameters' in base or 'rope_theta' not in base:
+      out['rope_parameters'] = self._rope_dict()
     else:
       out['rope_theta'] = self.rope_theta
       if self.rope_scaling is not None:
-        out['rope_scaling'] = {'rope_type': 'llama3', **self._scaling_dict()}
+        out['rope_scaling'] = {k: v for k, v in self._rope_dict().items() if k != 'rope_theta'}
     # The dtype the tensors are written in (newer files say `dtype`, older `torch_dtype`).
     if 'torch_dtype' in out:
       out['torch_dtype'] = self.param_dtype
@@ -247,9 +492,16 @@ class ModelConfig:
       out['dtype'] = self.param_dtype
     return out
 
-  def _scaling_dict(self):
+  def _rope_dict(self):
+    """rope_parameters of the global layers: type, theta and scaling fields."""
     s = self.rope_scaling
+    if s is None:
+      return {'rope_type': 'default', 'rope_theta': self.rope_theta}
+    if isinstance(s, LinearRopeScaling):
+      return {'rope_type': 'linear', 'rope_theta': self.rope_theta, 'factor': s.factor}
     return {
+      'rope_type': 'llama3',
+      'rope_theta': self.rope_theta,
       'factor': s.factor,
       'low_freq_factor': s.low_freq_factor,
       'high_freq_factor': s.high_freq_factor,
@@ -257,16 +509,25 @@ class ModelConfig:
     }
 
 
+def _opt_float(value):
+  return None if value is None else float(value)
+
+
 def _positive_int(value, name):
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
     raise ValueError(f'`{name}` must be a positive int, got {value!r}.')
 
 
-def rope_inv_freq(config):
-  """[d/2] float32 inverse frequencies θ^(−2i/d), with Llama 3 scaling if set.
+def rope_inv_freq(config, sliding=False):
+  """[d/2] float32 inverse frequencies θ^(−2i/d), with the config's scaling.
 
-  Llama 3 scaling (Meta, 2024) leaves high frequencies (wavelength below
-  original_max / high_freq_factor) alone, divides low frequencies
+  `sliding` selects the rope of the sliding-window layers: base
+  `local_rope_theta` and no scaling when that is set (Gemma 3), else the
+  same rope as every other layer.
+
+  Linear scaling (position interpolation) divides every frequency by
+  `factor`. Llama 3 scaling (Meta, 2024) leaves high frequencies (wavelength
+  below original_max / high_freq_factor) alone, divides low frequencies
   (wavelength above original_max / low_freq_factor) by `factor`, and blends
   linearly in between.
   """
@@ -275,9 +536,13 @@ def rope_inv_freq(config):
   # float32 throughout, as Hugging Face computes it, so positions match bitwise.
   f32 = np.float32
   d = config.head_dim
-  inv = f32(1.0) / (f32(config.rope_theta) ** (np.arange(0, d, 2).astype(f32) / f32(d)))
-  s = config.rope_scaling
-  if s is not None:
+  local = sliding and config.local_rope_theta is not None
+  theta = config.local_rope_theta if local else config.rope_theta
+  inv = f32(1.0) / (f32(theta) ** (np.arange(0, d, 2).astype(f32) / f32(d)))
+  s = None if local else config.rope_scaling
+  if isinstance(s, LinearRopeScaling):
+    inv = inv / f32(s.factor)
+  elif s is not None:
     wavelen = f32(2 * math.pi) / inv
     low_wavelen = f32(s.original_max_positions / s.low_freq_factor)
     high_wavelen = f32(s.original_max_positions / s.high_freq_factor)

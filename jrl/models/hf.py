@@ -26,6 +26,20 @@ and [out, in] there):
     final_norm/scale                model.norm.weight
     lm_head/kernel                  lm_head.weight                                  (T)
     score/kernel                    score.weight                                    (T)
+
+Gemma 2 / 3 blocks norm four times (no `mlp_norm`):
+
+    layers/i/post_attn_norm/scale   model.layers.i.post_attention_layernorm.weight
+    layers/i/pre_mlp_norm/scale     model.layers.i.pre_feedforward_layernorm.weight
+    layers/i/post_mlp_norm/scale    model.layers.i.post_feedforward_layernorm.weight
+
+Mixture-of-experts layers (Qwen3-MoE) stack their E experts in one array;
+the file has one tensor per expert, as the checkpoints on the Hub do:
+
+    layers/i/moe/router/kernel    model.layers.i.mlp.gate.weight                       (T)
+    layers/i/moe/{gate,up}        model.layers.i.mlp.experts.{e}.{gate,up}_proj.weight (T each)
+                                  ([E, D, F] here, E tensors [F, D] there)
+    layers/i/moe/down             model.layers.i.mlp.experts.{e}.down_proj.weight      (T each)
 """
 
 import glob
@@ -39,7 +53,7 @@ import numpy as np
 
 from jrl import distributed, parallel
 from jrl.models import transformer
-from jrl.models.config import ModelConfig
+from jrl.models.config import FAMILIES, ModelConfig
 from jrl.models.safetensors_io import DTYPES, SafetensorsFile, save_file
 
 _PICKLE_PATTERNS = ('*.bin', '*.pt', '*.pth', '*.ckpt', '*.pkl')
@@ -65,8 +79,16 @@ class Checkpoint(NamedTuple):
   hf_config: dict  # the config.json read, written back unchanged by `save`
 
 
+_EXPERT = '{e}'  # placeholder for the expert index in the names of stacked expert tensors
+
+
 def hf_name(path):
-  """Hugging Face tensor name and whether it is stored transposed, for a jrl path."""
+  """Hugging Face tensor name and whether it is stored transposed, for a jrl path.
+
+  For a stacked expert array [E, ...] the name holds `{e}` where the expert
+  index goes (see `expert_names`), and `transposed` applies to each expert's
+  slice.
+  """
   if path == ('embed', 'embedding'):
     return 'model.embed_tokens.weight', False
   if path == ('final_norm', 'scale'):
@@ -82,6 +104,17 @@ def hf_name(path):
       return prefix + 'input_layernorm.weight', False
     if rest == ('mlp_norm', 'scale'):
       return prefix + 'post_attention_layernorm.weight', False
+    norms = {
+      'post_attn_norm': 'post_attention_layernorm',
+      'pre_mlp_norm': 'pre_feedforward_layernorm',
+      'post_mlp_norm': 'post_feedforward_layernorm',
+    }
+    if len(rest) == 2 and rest[0] in norms and rest[1] == 'scale':
+      return f'{prefix}{norms[rest[0]]}.weight', False
+    if rest == ('moe', 'router', 'kernel'):
+      return prefix + 'mlp.gate.weight', True
+    if len(rest) == 2 and rest[0] == 'moe' and rest[1] in ('gate', 'up', 'down'):
+      return f'{prefix}mlp.experts.{_EXPERT}.{rest[1]}_proj.weight', True
     if rest[0] == 'attn' and rest[1] in ('q', 'k', 'v', 'o'):
       kind = 'weight' if rest[2] == 'kernel' else 'bias'
       return f'{prefix}self_attn.{rest[1]}_proj.{kind}', kind == 'weight'
@@ -90,6 +123,23 @@ def hf_name(path):
     if rest[0] == 'mlp':
       return f'{prefix}mlp.{rest[1]}_proj.weight', True
   raise ValueError(f'no Hugging Face name for parameter {"/".join(map(str, path))}.')
+
+
+def expert_names(name, num_experts):
+  """The per-expert tensor names of a stacked name (just [name] otherwise)."""
+  if _EXPERT not in name:
+    return [name]
+  return [name.replace(_EXPERT, str(e)) for e in range(num_experts)]
+
+
+def _host_tensors(name, host, transposed):
+  """[(HF name, array in HF layout)] for one parameter on the host."""
+  if _EXPERT not in name:
+    return [(name, host.T if transposed else host)]
+  return [
+    (n, np.ascontiguousarray(x.T if transposed else x))
+    for n, x in zip(expert_names(name, host.shape[0]), host, strict=True)
+  ]
 
 
 def _read_json(path):
@@ -210,16 +260,10 @@ def load(
   used = set()
   missing_head = []
 
-  def load_one(key_path, leaf, sharding):
-    jrl_path = parallel.path_keys(key_path)
-    name, transposed = hf_name(jrl_path)
+  def check_tensor(name, jrl_path, expected):
     if name not in tensors:
-      if name == 'score.weight':
-        missing_head.append((key_path, leaf, sharding))
-        return None
       raise ValueError(f'{path}: tensor `{name}` (for {"/".join(map(str, jrl_path))}) is missing.')
     f = tensors[name]
-    expected = leaf.shape[::-1] if transposed else leaf.shape
     if tuple(f.shape(name)) != tuple(expected):
       raise ValueError(
         f'{f.path}: tensor `{name}` has shape {list(f.shape(name))}, expected '
@@ -232,16 +276,38 @@ def load(
         '(F16, BF16, F32 or F64).'
       )
     used.add(name)
+    return f
+
+  def read_one(f, name, index, transposed, dtype):
+    stored = f.read(name, index[::-1]).T if transposed else f.read(name, index)
+    with np.errstate(over='ignore'):  # an overflow is reported by `_check_finite`
+      out = stored.astype(dtype)
+    _check_finite(f.path, name, stored, out)
+    return out
+
+  def load_one(key_path, leaf, sharding):
+    jrl_path = parallel.path_keys(key_path)
+    name, transposed = hf_name(jrl_path)
+    if name == 'score.weight' and name not in tensors:
+      missing_head.append((key_path, leaf, sharding))
+      return None
     dtype = leaf.dtype
+    if _EXPERT in name:
+      # [E, ...] from E tensors: each device reads its experts' slices only.
+      per_expert = leaf.shape[1:][::-1] if transposed else leaf.shape[1:]
+      names = expert_names(name, leaf.shape[0])
+      files = [check_tensor(n, jrl_path, per_expert) for n in names]
 
-    def read(index):
-      stored = f.read(name, index[::-1]).T if transposed else f.read(name, index)
-      with np.errstate(over='ignore'):  # an overflow is reported by `_check_finite`
-        out = stored.astype(dtype)
-      _check_finite(f.path, name, stored, out)
-      return out
+      def read_stacked(index):
+        experts = range(leaf.shape[0])[index[0]]
+        parts = [read_one(files[e], names[e], index[1:], transposed, dtype) for e in experts]
+        return np.stack(parts) if parts else np.zeros((0,) + leaf.shape[1:], dtype)
 
-    return jax.make_array_from_callback(leaf.shape, sharding, read)
+      return jax.make_array_from_callback(leaf.shape, sharding, read_stacked)
+    f = check_tensor(name, jrl_path, leaf.shape[::-1] if transposed else leaf.shape)
+    return jax.make_array_from_callback(
+      leaf.shape, sharding, lambda index: read_one(f, name, index, transposed, dtype)
+    )
 
   params = jax.tree_util.tree_map_with_path(load_one, abstract_params, shardings)
   if missing_head:
@@ -301,7 +367,7 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
   if 'score' in params and not any(
     'SequenceClassification' in a for a in out_config.get('architectures', [])
   ):
-    family_arch = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3'}[config.family]
+    family_arch = FAMILIES[config.family][1] + ('Text' if config.family == 'gemma3' else '')
     out_config['architectures'] = [f'{family_arch}ForSequenceClassification']
     out_config['num_labels'] = 1
 
@@ -312,14 +378,13 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
 
   shards, current, size = [], {}, 0
   for name, leaf, transposed in entries:
-    # One tensor at a time on the host.
-    host = distributed.fetch(leaf)
-    host = host.T if transposed else host
-    if current and size + host.nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[name] = host
-    size += host.nbytes
+    # One parameter at a time on the host (a stacked one as its E tensors).
+    for tname, host in _host_tensors(name, distributed.fetch(leaf), transposed):
+      if current and size + host.nbytes > max_shard_bytes:
+        shards.append(current)
+        current, size = {}, 0
+      current[tname] = host
+      size += host.nbytes
   shards.append(current)
 
   metadata = {'format': 'pt'}
@@ -348,9 +413,8 @@ def to_host(params):
   out = {}
   for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
     name, transposed = hf_name(parallel.path_keys(key_path))
-    host = distributed.fetch(leaf)
-    out[name] = host.T if transposed else host
+    out.update(_host_tensors(name, distributed.fetch(leaf), transposed))
   return out
 
 
-__all__ = ['Checkpoint', 'hf_name', 'load', 'load_config', 'save', 'to_host']
+__all__ = ['Checkpoint', 'expert_names', 'hf_name', 'load', 'load_config', 'save', 'to_host']

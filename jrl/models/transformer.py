@@ -1,9 +1,14 @@
 """One decoder-only transformer for policy, reference, critic and reward model.
 
-Covers the Llama 3 and Qwen2 / Qwen2.5 / Qwen3 families: RMSNorm, rotary
-embeddings (rope_theta, Llama 3 scaling), grouped-query attention, a SwiGLU
-MLP, Qwen2's q/k/v biases, Qwen3's q/k RMSNorm, tied or untied embeddings,
-and an optional scalar head (`score`, as in Hugging Face's
+Covers Llama 3, Qwen2 / Qwen2.5 / Qwen3, Qwen3-MoE, Mistral, Gemma 2 and
+Gemma 3 (text) with one set of layers whose variants are fields of
+`ModelConfig`: RMSNorm (w or 1 + w scaling), rotary embeddings (rope_theta,
+linear or Llama 3 scaling, a second base for local layers), grouped-query
+attention with an optional sliding window per layer, score scale and
+soft-capping, Qwen2's q/k/v biases, q/k RMSNorm, SwiGLU or GeGLU MLPs or
+top-k routed experts, post-attention and post-MLP norms, a scaled
+embedding, tied or untied embeddings with optional final logit
+soft-capping, and an optional scalar head (`score`, as in Hugging Face's
 `*ForSequenceClassification`) for critics and reward models.
 
 The module tree is Flax NNX; everything outside this file uses the pure
@@ -14,19 +19,27 @@ boundary `graphdef, params = create(config, key)` and functions of
 
 Attention is pluggable. Each layer computes rotated q, k and v and hands
 them to `attention(layer, q, k, v, cache) -> (out, cache)`. Training uses
-`causal_attention(mask)` (dense, no cache); the sampler passes a function
-that writes k, v into its paged KV cache and attends over the pages. Both
-run these same layers on the same parameters.
+`causal_attention(mask, positions, config)` (dense, no cache); the sampler
+passes a function that writes k, v into its paged KV cache and attends over
+the pages. Both run these same layers on the same parameters, and both read
+the layer's window, scale and soft-cap from `attention_options(config, layer)`.
+
+Mixture of experts: a MoE layer returns its router logits next to its
+output; `hidden_states(..., with_router_loss=True)` also returns the
+Switch-Transformer load-balancing loss over all MoE layers
+(`router_load_balancing_loss`), which a trainer may add with a coefficient.
 
 Numerics: parameters are stored in `config.param_dtype` and cast to
 `config.compute_dtype` for matmuls; RMSNorm statistics, rotary angles,
-attention softmax and logits are float32.
+attention softmax, router softmax and logits are float32.
 
 Shapes: B batch, T tokens, S keys, D width, F MLP width, H query heads,
-K kv heads, d head width, V vocabulary.
+K kv heads, d head width, V vocabulary, E experts, N = B·T token rows.
 """
 
+import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,17 +72,26 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """x / sqrt(mean(x²) + ε) · scale, the statistics in float32."""
+  """x / sqrt(mean(x²) + ε) · scale, the statistics in float32.
+
+  With `config.norm_plus_one` (Gemma) the factor is (1 + scale), applied in
+  float32 before the cast back (Llama casts first, then scales); the stored
+  scale starts at 0.
+  """
 
   def __init__(self, dim, config):
-    self.scale = nnx.Param(jnp.ones((dim,), config.param_jnp_dtype))
+    init = jnp.zeros if config.norm_plus_one else jnp.ones
+    self.scale = nnx.Param(init((dim,), config.param_jnp_dtype))
     self.eps = config.rms_eps
+    self.plus_one = config.norm_plus_one
 
   def __call__(self, x):
     dtype = x.dtype
     # Norm statistics in float32 whatever the compute dtype.
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    if self.plus_one:
+      return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(dtype)
     return normed.astype(dtype) * self.scale[...].astype(dtype)
 
 
@@ -82,9 +104,14 @@ class Embed(nnx.Module):
       init(rngs.params(), (config.vocab_size, config.width), config.param_jnp_dtype)
     )
     self.compute_dtype = config.compute_jnp_dtype
+    self.scale = math.sqrt(config.width) if config.embed_scale else None
 
   def __call__(self, tokens_BxT):
-    return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.compute_dtype)
+    x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.compute_dtype)
+    if self.scale is not None:
+      # Gemma: sqrt(D) rounded to the compute dtype first, as Hugging Face does.
+      x = x * jnp.asarray(self.scale, self.compute_dtype)
+    return x
 
 
 def apply_rope(x_BxTxNxd, positions_BxT, inv_freq):
@@ -108,10 +135,40 @@ def apply_rope(x_BxTxNxd, positions_BxT, inv_freq):
   return x_BxTxNxd * cos + rotated * sin
 
 
-def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS):
+class AttentionOptions(NamedTuple):
+  """What differs between the attention of one layer and another's."""
+
+  window: int | None  # sliding window W (None: global)
+  scale: float | None  # score scale (None: 1 / sqrt(d))
+  softcap: float | None  # scores -> c·tanh(scores / c) (None: off)
+
+
+def attention_options(config, layer):
+  """The AttentionOptions of layer `layer` of `config`."""
+  return AttentionOptions(config.window(layer), config.attn_scale, config.attn_softcap)
+
+
+def attention_scores(scores, d, scale=None, softcap=None):
+  """float32 scores q·k scaled (1/sqrt(d) or `scale`) and soft-capped.
+
+  Shared by the dense and the paged attention, so the sampler and the
+  trainer compute the very same numbers.
+  """
+  scores = scores.astype(jnp.float32)
+  if scale is None:
+    scores = scores / np.sqrt(d).astype(np.float32)
+  else:
+    scores = scores * np.float32(scale)
+  if softcap is not None:
+    scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
+  return scores
+
+
+def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS, *, scale=None, softcap=None):
   """Softmax attention with grouped kv heads and a boolean visibility mask.
 
-  Query head h reads kv head h // (H / K). Scores and softmax are float32.
+  Query head h reads kv head h // (H / K). Scores and softmax are float32;
+  `scale` (default 1 / sqrt(d)) and `softcap` as in `attention_scores`.
   A query with no visible key gets a uniform average (finite), never NaN.
 
   Returns:
@@ -123,7 +180,7 @@ def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS):
   scores = jnp.einsum(
     'btkgd,bskd->bkgts', q_BxTxKxGxd, k_BxSxKxd, preferred_element_type=jnp.float32
   )
-  scores = scores.astype(jnp.float32) / np.sqrt(d).astype(np.float32)
+  scores = attention_scores(scores, d, scale, softcap)
   scores = jnp.where(allowed_BxTxS[:, None, None, :, :], scores, NEG_INF)
   # Softmax in float32.
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxd.dtype)
@@ -131,28 +188,56 @@ def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS):
   return out.reshape(b, t, h, d)
 
 
-def causal_attention(mask_BxT):
+def within_window(q_pos, k_pos, window):
+  """Key position k_pos is inside the sliding window of query position q_pos
+  (q_pos − k_pos < W; Hugging Face's convention). True everywhere when
+  `window` is None. Broadcasts."""
+  if window is None:
+    return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), bool)
+  return q_pos - k_pos < window
+
+
+def causal_attention(mask_BxT, positions_BxT=None, config=None):
   """Dense causal attention for full sequences: key s is visible to query t iff
-  s ≤ t and (mask[s] or s = t); left or right padding both work."""
+  s ≤ t and (mask[s] or s = t); left or right padding both work.
+
+  With `config`, each layer also applies its sliding window (on `positions`,
+  which default to `positions_from_mask(mask)`), score scale and soft-cap.
+  """
   mask_BxT = mask_BxT.astype(bool)
   t = mask_BxT.shape[1]
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
   # Every query also sees itself, so a padding query (which has no real key
   # before it) stays causal instead of averaging over every key.
   allowed_BxTxT = causal_TxT[None] & (mask_BxT[:, None, :] | jnp.eye(t, dtype=bool)[None])
+  if config is None:
 
-  def attend(layer, q, k, v, cache):
-    del layer
-    return dot_attention(q, k, v, allowed_BxTxT), cache
+    def attend(layer, q, k, v, cache):
+      del layer
+      return dot_attention(q, k, v, allowed_BxTxT), cache
 
-  return attend
+    return attend
+
+  if positions_BxT is None:
+    positions_BxT = positions_from_mask(mask_BxT)
+  windowed = {}
+  for w in {config.window(i) for i in range(config.num_layers)} - {None}:
+    inside = within_window(positions_BxT[:, :, None], positions_BxT[:, None, :], w)
+    windowed[w] = allowed_BxTxT & (inside | jnp.eye(t, dtype=bool)[None])
+
+  def attend_layer(layer, q, k, v, cache):
+    opts = attention_options(config, layer)
+    allowed = allowed_BxTxT if opts.window is None else windowed[opts.window]
+    return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap), cache
+
+  return attend_layer
 
 
 class Attention(nnx.Module):
   """Grouped-query self-attention: projections, q/k norm, RoPE; the attention
   itself is the caller's `attention` function."""
 
-  def __init__(self, config, *, rngs):
+  def __init__(self, config, layer, *, rngs):
     d, h, k, w = config.head_dim, config.num_heads, config.num_kv_heads, config.width
     self.q = Dense(w, h * d, config, rngs=rngs, bias=config.qkv_bias)
     self.k = Dense(w, k * d, config, rngs=rngs, bias=config.qkv_bias)
@@ -161,6 +246,7 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(d, config) if config.qk_norm else None
     self.k_norm = RMSNorm(d, config) if config.qk_norm else None
     self.config = config
+    self.sliding = config.is_sliding(layer)  # selects the local rope base (Gemma 3)
 
   def __call__(self, x_BxTxD, positions_BxT, attention, layer, cache):
     cfg = self.config
@@ -170,39 +256,195 @@ class Attention(nnx.Module):
     v = self.v(x_BxTxD).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq = rope_inv_freq(cfg, sliding=self.sliding)
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
     out_BxTxHxd, cache = attention(layer, q, k, v, cache)
     return self.o(out_BxTxHxd.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
 
 
+def _activation(name, x):
+  if name == 'gelu_tanh':
+    return jax.nn.gelu(x, approximate=True)
+  return jax.nn.silu(x)
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) · up(x))."""
+  """Gated MLP: down(act(gate(x)) · up(x)); SwiGLU (silu) or GeGLU (gelu, tanh
+  approximation)."""
 
   def __init__(self, config, *, rngs):
     self.gate = Dense(config.width, config.mlp_width, config, rngs=rngs)
     self.up = Dense(config.width, config.mlp_width, config, rngs=rngs)
     self.down = Dense(config.mlp_width, config.width, config, rngs=rngs)
+    self.activation = config.activation
 
   def __call__(self, x):
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    return self.down(_activation(self.activation, self.gate(x)) * self.up(x))
+
+
+def route(router_logits_NxE, k, normalise):
+  """Top-k routing: softmax over experts in float32, the k largest
+  probabilities (renormalised to sum to 1 when `normalise`).
+
+  Returns:
+    (weights [N, k] float32, experts [N, k] int32).
+  """
+  # Router softmax in float32.
+  probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
+  weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, k)
+  if normalise:
+    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+  return weights_NxK, experts_NxK.astype(jnp.int32)
+
+
+def experts_dense(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):
+  """Every expert on every token, combined with the routing weights (zero for
+  the unselected ones). Exact; costs E/k times the routed FLOPs and an
+  [E, N, F] activation, and shards over the expert axis as it stands (each
+  device runs its experts on all tokens; one all-reduce combines them)."""
+  e = gate_ExDxF.shape[0]
+  n = x_NxD.shape[0]
+  combine_NxE = jnp.zeros((n, e), weights_NxK.dtype)
+  combine_NxE = combine_NxE.at[jnp.arange(n)[:, None], experts_NxK].add(weights_NxK)
+  h_ExNxF = _activation(activation, jnp.einsum('nd,edf->enf', x_NxD, gate_ExDxF))
+  h_ExNxF = h_ExNxF * jnp.einsum('nd,edf->enf', x_NxD, up_ExDxF)
+  y_ExNxD = jnp.einsum('enf,efd->end', h_ExNxF, down_ExFxD)
+  return jnp.einsum('end,ne->nd', y_ExNxD, combine_NxE.astype(y_ExNxD.dtype))
+
+
+def experts_ragged(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):
+  """Dropless sorted dispatch: the N·k (token, expert) pairs are sorted by
+  expert, each expert multiplies its contiguous rows (`jax.lax.ragged_dot`),
+  and the weighted rows are added back to their tokens. Exact, and k/E of the
+  dense FLOPs; memory is N·k rows of width F."""
+  k = experts_NxK.shape[1]
+  e = gate_ExDxF.shape[0]
+  flat_M = experts_NxK.reshape(-1)  # M = N·k pairs, token-major
+  order_M = jnp.argsort(flat_M, stable=True)
+  token_M = order_M // k
+  group_sizes_E = jnp.bincount(flat_M, length=e).astype(jnp.int32)
+  x_MxD = jnp.take(x_NxD, token_M, axis=0)
+  h_MxF = _activation(activation, jax.lax.ragged_dot(x_MxD, gate_ExDxF, group_sizes_E))
+  h_MxF = h_MxF * jax.lax.ragged_dot(x_MxD, up_ExDxF, group_sizes_E)
+  y_MxD = jax.lax.ragged_dot(h_MxF, down_ExFxD, group_sizes_E)
+  w_M = jnp.take(weights_NxK.reshape(-1), order_M).astype(y_MxD.dtype)
+  return jnp.zeros_like(x_NxD).at[token_M].add(y_MxD * w_M[:, None])
+
+
+class MoE(nnx.Module):
+  """Top-k routed experts (Qwen3-MoE layout): a linear router [D, E], and
+  per-expert gated MLPs stacked as gate, up [E, D, F] and down [E, F, D].
+
+  Routing weights are the float32 softmax probabilities of the top k
+  (renormalised with `norm_topk_prob`), cast to the compute dtype. Every
+  token reaches its k experts (no capacity, no dropped tokens).
+  """
+
+  def __init__(self, config, *, rngs):
+    e, d, f = config.num_experts, config.width, config.moe_mlp_width
+    init = nnx.initializers.normal(config.init_std)
+    dtype = config.param_jnp_dtype
+    self.router = Dense(d, e, config, rngs=rngs)
+    self.gate = nnx.Param(init(rngs.params(), (e, d, f), dtype))
+    self.up = nnx.Param(init(rngs.params(), (e, d, f), dtype))
+    self.down = nnx.Param(init(rngs.params(), (e, f, d), dtype))
+    self.config = config
+
+  def __call__(self, x_BxTxD):
+    """(output [B, T, D], router logits [B·T, E] in compute dtype)."""
+    cfg = self.config
+    b, t, d = x_BxTxD.shape
+    cd = cfg.compute_jnp_dtype
+    x_NxD = x_BxTxD.reshape(b * t, d)
+    logits_NxE = self.router(x_NxD)
+    weights_NxK, experts_NxK = route(logits_NxE, cfg.experts_per_token, cfg.norm_topk_prob)
+    weights_NxK = weights_NxK.astype(cd)
+    fn = experts_ragged if cfg.moe_impl == 'ragged' else experts_dense
+    y_NxD = fn(
+      x_NxD,
+      weights_NxK,
+      experts_NxK,
+      self.gate[...].astype(cd),
+      self.up[...].astype(cd),
+      self.down[...].astype(cd),
+      cfg.activation,
+    )
+    return y_NxD.reshape(b, t, d), logits_NxE
+
+
+def router_load_balancing_loss(router_logits, mask_BxT, num_experts, k):
+  """Switch-Transformer auxiliary loss (Fedus et al., 2021, eqs. 4-6), over all
+  MoE layers together:
+
+      L_aux = E · Σ_e f_e · P_e,
+
+  f_e the fraction of (token, top-k slot) assignments that go to expert e and
+  P_e the mean router probability of e, both averaged over real tokens
+  (mask) of every MoE layer at once. As Hugging Face's
+  `load_balancing_loss_func` (Qwen3-MoE, Mixtral): f counts each token k
+  times, so a perfectly balanced router gives k, not 1.
+
+  Args:
+    router_logits: list of [B·T, E] router logits, one per MoE layer.
+    mask_BxT: real tokens.
+    num_experts: E.
+    k: experts per token.
+
+  Returns:
+    [] float32 (0 when there is no MoE layer).
+  """
+  if not router_logits:
+    return jnp.zeros((), jnp.float32)
+  m_N = mask_BxT.reshape(-1).astype(jnp.float32)
+  counts_E = jnp.zeros(num_experts, jnp.float32)
+  probs_E = jnp.zeros(num_experts, jnp.float32)
+  for logits_NxE in router_logits:
+    # Router softmax in float32.
+    p_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    _, top_NxK = jax.lax.top_k(p_NxE, k)
+    hits_NxE = jnp.sum(jax.nn.one_hot(top_NxK, num_experts, dtype=jnp.float32), axis=1)
+    counts_E = counts_E + jnp.sum(hits_NxE * m_N[:, None], axis=0)
+    probs_E = probs_E + jnp.sum(p_NxE * m_N[:, None], axis=0)
+  rows = len(router_logits) * jnp.maximum(jnp.sum(m_N), 1.0)
+  return num_experts * jnp.sum((counts_E / rows) * (probs_E / rows))
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-  def __init__(self, config, *, rngs):
+  With `config.post_norms` (Gemma) the attention and MLP outputs are normed
+  again before the residual add: x + post_norm(attn(pre_norm(x))). The MLP is
+  a MoE layer where `config.is_moe(layer)`.
+  """
+
+  def __init__(self, config, layer, *, rngs):
     self.attn_norm = RMSNorm(config.width, config)
-    self.attn = Attention(config, rngs=rngs)
-    self.mlp_norm = RMSNorm(config.width, config)
-    self.mlp = MLP(config, rngs=rngs)
+    self.attn = Attention(config, layer, rngs=rngs)
+    post = config.post_norms
+    self.mlp_norm = None if post else RMSNorm(config.width, config)
+    self.post_attn_norm = RMSNorm(config.width, config) if post else None
+    self.pre_mlp_norm = RMSNorm(config.width, config) if post else None
+    self.post_mlp_norm = RMSNorm(config.width, config) if post else None
+    moe = config.is_moe(layer)
+    self.mlp = None if moe else MLP(config, rngs=rngs)
+    self.moe = MoE(config, rngs=rngs) if moe else None
 
   def __call__(self, x, positions, attention, layer, cache):
+    """(x [B, T, D], cache, router logits [B·T, E] or None)."""
     h, cache = self.attn(self.attn_norm(x), positions, attention, layer, cache)
+    if self.post_attn_norm is not None:
+      h = self.post_attn_norm(h)
     x = x + h
-    x = x + self.mlp(self.mlp_norm(x))
-    return x, cache
+    h = self.mlp_norm(x) if self.mlp_norm is not None else self.pre_mlp_norm(x)
+    router_logits = None
+    if self.moe is not None:
+      h, router_logits = self.moe(h)
+    else:
+      h = self.mlp(h)
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    return x + h, cache, router_logits
 
 
 class Transformer(nnx.Module):
@@ -212,21 +454,27 @@ class Transformer(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs, lm_head=True, scalar_head=False):
     self.config = config
     self.embed = Embed(config, rngs=rngs)
-    self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.width, config)
     untied = lm_head and not config.tie_embeddings
     self.lm_head = Dense(config.width, config.vocab_size, config, rngs=rngs) if untied else None
     self.score = Dense(config.width, 1, config, rngs=rngs) if scalar_head else None
     self.has_lm_head = lm_head
 
-  def __call__(self, tokens_BxT, positions_BxT, attention, caches=None):
-    """Final normed hidden states [B, T, D] (compute dtype) and the caches."""
+  def __call__(
+    self, tokens_BxT, positions_BxT, attention, caches=None, *, return_router_logits=False
+  ):
+    """Final normed hidden states [B, T, D] (compute dtype) and the caches;
+    with `return_router_logits` also the list of MoE router logits."""
     x = self.embed(tokens_BxT)
-    new_caches = []
+    new_caches, router_logits = [], []
     for i, layer in enumerate(self.layers):
-      x, c = layer(x, positions_BxT, attention, i, None if caches is None else caches[i])
+      x, c, r = layer(x, positions_BxT, attention, i, None if caches is None else caches[i])
       new_caches.append(c)
-    return self.final_norm(x), (None if caches is None else new_caches)
+      if r is not None:
+        router_logits.append(r)
+    out = (self.final_norm(x), (None if caches is None else new_caches))
+    return (*out, router_logits) if return_router_logits else out
 
   def unembed(self):
     """[D, V] output projection in compute dtype (embedding transposed when tied)."""
@@ -237,6 +485,13 @@ class Transformer(nnx.Module):
       return self.embed.embedding[...].T.astype(cd)
     return self.lm_head.kernel[...].astype(cd)
 
+  def logits(self, hidden_NxD):
+    """float32 logits [..., V] of final hidden states, soft-capped when the
+    config says so (Gemma 2). The sampler and `logits` both use this."""
+    # Logits in float32.
+    z = jnp.dot(hidden_NxD, self.unembed(), preferred_element_type=jnp.float32)
+    return softcap_logits(z.astype(jnp.float32), self.config.final_softcap)
+
   def scalar(self, hidden_BxTxD):
     """[B, T] float32 scalar head output."""
     if self.score is None:
@@ -244,6 +499,13 @@ class Transformer(nnx.Module):
     # The head is tiny: float32 for values and rewards.
     kernel = self.score.kernel[...].astype(jnp.float32)
     return (hidden_BxTxD.astype(jnp.float32) @ kernel)[..., 0]
+
+
+def softcap_logits(logits, cap):
+  """c·tanh(logits / c) (identity when `cap` is None)."""
+  if cap is None:
+    return logits
+  return np.float32(cap) * jnp.tanh(logits / np.float32(cap))
 
 
 # The pure boundary -----------------------------------------------------------
@@ -288,7 +550,7 @@ def _check_batch(tokens, mask, positions):
     raise ValueError(f'`positions` must have shape {tokens.shape}, got {positions.shape}.')
 
 
-def hidden_states(graphdef, params, tokens, mask=None, positions=None):
+def hidden_states(graphdef, params, tokens, mask=None, positions=None, *, with_router_loss=False):
   """Final normed hidden states for full sequences (training forward).
 
   Args:
@@ -296,9 +558,12 @@ def hidden_states(graphdef, params, tokens, mask=None, positions=None):
     tokens: [B, T] int.
     mask: [B, T] 1 on real tokens (None: all real). Left or right padding.
     positions: [B, T] int (None: `positions_from_mask(mask)`).
+    with_router_loss: also return `router_load_balancing_loss` over the
+      MoE layers (0 for a dense model).
 
   Returns:
-    [B, T, D] in compute dtype.
+    [B, T, D] in compute dtype; with `with_router_loss` a pair
+    (hidden, router_loss [] float32).
   """
   _check_batch(tokens, mask, positions)
   if mask is None:
@@ -306,17 +571,21 @@ def hidden_states(graphdef, params, tokens, mask=None, positions=None):
   if positions is None:
     positions = positions_from_mask(mask)
   model = nnx.merge(graphdef, params)
-  hidden, _ = model(tokens, positions, causal_attention(mask))
-  return hidden
+  cfg = model.config
+  attention = causal_attention(mask, positions, cfg)
+  hidden, _, router_logits = model(tokens, positions, attention, return_router_logits=True)
+  if not with_router_loss:
+    return hidden
+  aux = router_load_balancing_loss(router_logits, mask, cfg.num_experts, cfg.experts_per_token)
+  return hidden, aux
 
 
 def logits(graphdef, params, tokens, mask=None, positions=None):
-  """[B, T, V] float32 logits; position t scores token t + 1. Materialises the
-  full logits: use `next_token_logprobs` for training."""
+  """[B, T, V] float32 logits (soft-capped when the config says so); position
+  t scores token t + 1. Materialises the full logits: use
+  `next_token_logprobs` for training."""
   hidden = hidden_states(graphdef, params, tokens, mask, positions)
-  model = nnx.merge(graphdef, params)
-  # Logits in float32.
-  return jnp.dot(hidden, model.unembed(), preferred_element_type=jnp.float32).astype(jnp.float32)
+  return nnx.merge(graphdef, params).logits(hidden)
 
 
 def next_token_logprobs(
@@ -329,19 +598,22 @@ def next_token_logprobs(
   temperature=1.0,
   chunk_size=1024,
   with_entropy=False,
+  with_router_loss=False,
 ):
   """log p(token_t | tokens_<t), aligned with the tokens.
 
   Entry [b, t] is the log-probability of `tokens[b, t]` given the tokens
   before it (0 at t = 0, which has no prediction); with `with_entropy` also
   the entropy of that predictive distribution. Computed in chunks from the
-  hidden states with `jrl.losses.token_logprobs_from_hidden`, so the
-  [B, T, V] float32 logits never exist.
+  hidden states with `jrl.losses.token_logprobs_from_hidden` (final logit
+  soft-capping included), so the [B, T, V] float32 logits never exist.
 
   Returns:
-    (logp [B, T] float32, entropy [B, T] float32 (zeros unless with_entropy)).
+    (logp [B, T] float32, entropy [B, T] float32 (zeros unless with_entropy)),
+    and the router load-balancing loss [] float32 as a third element with
+    `with_router_loss`.
   """
-  hidden = hidden_states(graphdef, params, tokens, mask, positions)
+  hidden, aux = hidden_states(graphdef, params, tokens, mask, positions, with_router_loss=True)
   model = nnx.merge(graphdef, params)
   logp, ent = losses.token_logprobs_from_hidden(
     hidden[:, :-1],
@@ -350,9 +622,11 @@ def next_token_logprobs(
     temperature=temperature,
     chunk_size=chunk_size,
     with_entropy=with_entropy,
+    softcap=model.config.final_softcap,
   )
   pad = ((0, 0), (1, 0))
-  return jnp.pad(logp, pad), jnp.pad(ent, pad)
+  out = (jnp.pad(logp, pad), jnp.pad(ent, pad))
+  return (*out, aux) if with_router_loss else out
 
 
 def values(graphdef, params, tokens, mask=None, positions=None):
@@ -384,9 +658,16 @@ _LOGICAL_AXES = {
   ('attn', 'k_norm', 'scale'): ('norm',),
   ('attn_norm', 'scale'): ('norm',),
   ('mlp_norm', 'scale'): ('norm',),
+  ('post_attn_norm', 'scale'): ('norm',),
+  ('pre_mlp_norm', 'scale'): ('norm',),
+  ('post_mlp_norm', 'scale'): ('norm',),
   ('mlp', 'gate', 'kernel'): ('embed', 'mlp'),
   ('mlp', 'up', 'kernel'): ('embed', 'mlp'),
   ('mlp', 'down', 'kernel'): ('mlp', 'embed'),
+  ('moe', 'router', 'kernel'): ('embed', 'router'),
+  ('moe', 'gate'): ('expert', 'embed', 'expert_mlp'),
+  ('moe', 'up'): ('expert', 'embed', 'expert_mlp'),
+  ('moe', 'down'): ('expert', 'expert_mlp', 'embed'),
   ('final_norm', 'scale'): ('norm',),
   ('lm_head', 'kernel'): ('embed', 'vocab'),
   ('score', 'kernel'): ('embed', 'head_out'),

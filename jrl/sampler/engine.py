@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrl.models.transformer import dot_attention
+from jrl.models.transformer import attention_options, dot_attention, within_window
 from jrl.sampler import attention as paged
 from jrl.sampler.sampling import SamplingParams, sample
 
@@ -164,10 +164,8 @@ def init_state(model_config, cfg):
 
 
 def _logits(model, hidden_NxD):
-  # Logits in float32.
-  return jnp.dot(hidden_NxD, model.unembed(), preferred_element_type=jnp.float32).astype(
-    jnp.float32
-  )
+  # Logits in float32 (soft-capped as the trainer's when the model says so).
+  return model.logits(hidden_NxD)
 
 
 def prefill(graphdef, params, tokens_Pb, length):
@@ -188,8 +186,13 @@ def prefill(graphdef, params, tokens_Pb, length):
   allowed = jnp.tril(jnp.ones((pb, pb), bool))[None] & (valid[:, None, :] | jnp.eye(pb, dtype=bool))
 
   def attend(layer, q, k, v, cache):
-    del layer, cache
-    return dot_attention(q, k, v, allowed), (k[0], v[0])
+    del cache
+    opts = attention_options(model.config, layer)
+    mask = allowed
+    if opts.window is not None:
+      mask = allowed & within_window(positions[:, :, None], positions[:, None, :], opts.window)
+    out = dot_attention(q, k, v, mask, scale=opts.scale, softcap=opts.softcap)
+    return out, (k[0], v[0])
 
   num_layers = model.config.num_layers
   hidden, kv = model(tokens_Pb[None], positions, attend, caches=[None] * num_layers)
@@ -337,10 +340,20 @@ def decode_step(graphdef, params, state, cfg, max_pages=None):
   visible_S = jnp.where(live_S, pos_S + 1, 1)
 
   def attend(layer, q, k, v, cache):
-    del layer
+    opts = attention_options(model.config, layer)
     k_pages, v_pages = paged.write_token(*cache, k[:, 0], v[:, 0], write_page_S, offset_S)
     table = jnp.where(live_S[:, None], state.page_table[:, :max_pages], 0)
-    out = paged.paged_attention(impl, q[:, 0], k_pages, v_pages, table, visible_S)
+    out = paged.paged_attention(
+      impl,
+      q[:, 0],
+      k_pages,
+      v_pages,
+      table,
+      visible_S,
+      scale=opts.scale,
+      softcap=opts.softcap,
+      window=opts.window,
+    )
     return out[:, None], (k_pages, v_pages)
 
   caches = list(zip(state.k_pages, state.v_pages, strict=True))

@@ -263,10 +263,17 @@ def test_param_logical_axes_unknown_path_raises(path):
 
 
 def test_make_mesh_shapes():
-  assert dict(parallel.make_mesh().shape) == {'data': 8, 'fsdp': 1, 'tensor': 1}
+  assert dict(parallel.make_mesh().shape) == {'data': 8, 'fsdp': 1, 'expert': 1, 'tensor': 1}
   assert dict(parallel.make_mesh(data=1, fsdp=-1, tensor=2).shape) == {
     'data': 1,
     'fsdp': 4,
+    'expert': 1,
+    'tensor': 2,
+  }
+  assert dict(parallel.make_mesh(data=1, tensor=2, expert=4).shape) == {
+    'data': 1,
+    'fsdp': 1,
+    'expert': 4,
     'tensor': 2,
   }
   assert parallel.make_mesh(2, 2, 2).axis_names == parallel.MESH_AXES
@@ -795,7 +802,7 @@ def test_from_hf_reads_fields():
   assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 4, 4)
   assert cfg.family == 'llama' and not cfg.qkv_bias and not cfg.qk_norm
   assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is None and cfg.rms_eps == 1e-5
-  qwen2 = M.ModelConfig.from_hf(_hf(architectures=['Qwen2ForCausalLM']))
+  qwen2 = M.ModelConfig.from_hf(_hf(architectures=['Qwen2ForCausalLM'], model_type='qwen2'))
   assert qwen2.family == 'qwen2' and qwen2.qkv_bias and not qwen2.qk_norm
   qwen3 = M.ModelConfig.from_hf(_hf(architectures=None, model_type='qwen3', head_dim=16))
   assert qwen3.family == 'qwen3' and qwen3.qk_norm and qwen3.head_dim == 16
@@ -829,10 +836,12 @@ def test_from_hf_missing_field_is_named(field):
   'changes, pattern',
   [
     ({'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}}, 'rope_scaling'),
-    ({'rope_scaling': {'type': 'linear', 'factor': 2.0}}, 'rope_scaling'),
+    ({'rope_scaling': {'type': 'longrope', 'factor': 2.0}}, 'rope_scaling'),
+    ({'rope_scaling': {'type': 'linear'}}, '`factor`'),
     ({'rope_parameters': {'rope_type': 'dynamic', 'rope_theta': 1e4}}, 'rope_parameters'),
     ({'hidden_act': 'gelu'}, '`hidden_act`'),
-    ({'architectures': ['MistralForCausalLM']}, '`architectures`'),
+    ({'architectures': ['MixtralForCausalLM']}, '`architectures`'),
+    ({'architectures': ['MistralForCausalLM']}, '`model_type`'),
     ({'architectures': None, 'model_type': 'gemma'}, '`architectures`'),
     ({'use_sliding_window': True}, '`use_sliding_window`'),
     ({'mlp_bias': True}, '`mlp_bias`'),
