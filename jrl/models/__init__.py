@@ -1,6 +1,6 @@
 """jrl.models: one transformer for policy, reference, critic and reward model."""
 
-from jrl.models.config import LinearRopeScaling, ModelConfig, RopeScaling
+from jrl.models.config import LinearRopeScaling, LoraConfig, ModelConfig, RopeScaling
 from jrl.models.transformer import (
   abstract,
   causal_attention,

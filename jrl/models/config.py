@@ -23,6 +23,13 @@ with `rope_theta` / `rope_scaling`, or the newer `rope_parameters`), and
 refuses what it cannot run exactly (an unknown architecture, an unsupported
 activation, a rope type other than default / linear / llama3, Qwen2's
 sliding window) with an error naming the field.
+
+Three fields change how the model trains, not what it computes, and are
+never written to `config.json`: `remat` (per-layer activation
+checkpointing), `scan_layers` (one `jax.lax.scan` over the layers instead of
+an unrolled loop) and `lora` (a `LoraConfig`: low-rank adapters on the
+projections, see `jrl/models/lora.py`). Pass them as overrides:
+`ModelConfig.from_hf(hf, remat='full')`, `jrl.models.hf.load(path, remat=...)`.
 """
 
 import dataclasses
@@ -61,6 +68,23 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 ACTIVATIONS = ('silu', 'gelu_tanh')  # SwiGLU; GeGLU with the tanh approximation of GELU
 LAYER_TYPES = ('full', 'sliding')
 MOE_IMPLS = ('ragged', 'dense')
+# Per-layer activation checkpointing: what the backward pass keeps of a block.
+#   none           everything (no recomputation)
+#   full           only the block's input; the whole block is recomputed
+#   dots           every matmul output (projections and attention scores)
+#   dots_no_batch  the projection outputs (q, k, v, o, MLP), not the [B, H, T, T]
+#                  attention scores and probabilities
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+# LoRA targets by their Hugging Face module name -> the Dense of a jrl block.
+LORA_TARGETS = {
+  'q_proj': ('attn', 'q'),
+  'k_proj': ('attn', 'k'),
+  'v_proj': ('attn', 'v'),
+  'o_proj': ('attn', 'o'),
+  'gate_proj': ('mlp', 'gate'),
+  'up_proj': ('mlp', 'up'),
+  'down_proj': ('mlp', 'down'),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +102,42 @@ class LinearRopeScaling:
   """Position interpolation (rope_type 'linear'): inverse frequencies / factor."""
 
   factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (Hu et al., 2021, "LoRA"): a target projection
+  y = x W becomes y = x W + (alpha / r) · (x A) B with A [in, r], B [r, out].
+
+  As PEFT's `LoraConfig` (r, lora_alpha, target_modules, lora_dropout); the
+  scale is alpha / r (PEFT's default, not rsLoRA's alpha / sqrt(r)).
+  """
+
+  rank: int  # r
+  alpha: float  # the adapter output is scaled by alpha / r
+  targets: tuple[str, ...] = tuple(LORA_TARGETS)  # Hugging Face module names
+  dropout: float = 0.0  # dropout on the adapter's input; only 0 is implemented
+
+  def __post_init__(self):
+    _positive_int(self.rank, 'lora.rank')
+    if not isinstance(self.alpha, int | float) or not self.alpha > 0:
+      raise ValueError(f'`lora.alpha` must be > 0, got {self.alpha!r}.')
+    if not isinstance(self.targets, tuple) or not self.targets:
+      raise ValueError(f'`lora.targets` must be a non-empty tuple, got {self.targets!r}.')
+    bad = sorted(set(self.targets) - set(LORA_TARGETS))
+    if bad or len(set(self.targets)) != len(self.targets):
+      raise ValueError(
+        f'`lora.targets` must be distinct names from {list(LORA_TARGETS)}, got {self.targets!r}.'
+      )
+    if self.dropout != 0.0:
+      raise ValueError(
+        f'`lora.dropout` must be 0.0 (dropout is not implemented), got {self.dropout!r}.'
+      )
+
+  @property
+  def scale(self):
+    """alpha / r."""
+    return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +187,10 @@ class ModelConfig:
   init_std: float = 0.02  # normal init of kernels and embeddings
   param_dtype: str = 'float32'  # storage dtype of the parameters
   compute_dtype: str = 'float32'  # matmul dtype; norms, softmax and logits stay float32
+  # Training memory and speed (not written to config.json).
+  remat: str = 'none'  # per-layer activation checkpointing policy: one of REMAT_POLICIES
+  scan_layers: bool = False  # run the layers in one jax.lax.scan (every layer alike)
+  lora: LoraConfig | None = None  # low-rank adapters on the projections (None: off)
 
   def __post_init__(self):
     for name in ('vocab_size', 'width', 'mlp_width', 'num_layers', 'num_heads'):
@@ -184,6 +248,26 @@ class ModelConfig:
       raise ValueError(
         f'`dense_layers` must be a tuple of layer indices, got {self.dense_layers!r}.'
       )
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'`remat` must be one of {REMAT_POLICIES}, got {self.remat!r}.')
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f'`scan_layers` must be a bool, got {self.scan_layers!r}.')
+    if self.scan_layers:
+      kinds = {(self.window(i), self.is_sliding(i), self.is_moe(i)) for i in range(self.num_layers)}
+      if len(kinds) > 1:
+        raise ValueError(
+          '`scan_layers`=True needs every layer alike, but this model mixes sliding and '
+          'global attention or dense and MoE layers; use scan_layers=False.'
+        )
+    if self.lora is not None:
+      if not isinstance(self.lora, LoraConfig):
+        raise ValueError(f'`lora` must be a LoraConfig or None, got {self.lora!r}.')
+      mlp = {'gate_proj', 'up_proj', 'down_proj'} & set(self.lora.targets)
+      if mlp and any(self.is_moe(i) for i in range(self.num_layers)):
+        raise ValueError(
+          f'`lora.targets` {sorted(mlp)}: adapters on MoE experts are not supported; '
+          'target the attention projections only.'
+        )
 
   @property
   def param_jnp_dtype(self):

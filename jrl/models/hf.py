@@ -33,6 +33,11 @@ Gemma 2 / 3 blocks norm four times (no `mlp_norm`):
     layers/i/pre_mlp_norm/scale     model.layers.i.pre_feedforward_layernorm.weight
     layers/i/post_mlp_norm/scale    model.layers.i.post_feedforward_layernorm.weight
 
+LoRA adapters (`lora_a`, `lora_b` next to a kernel) are folded into the
+kernel when saving: `save` writes W + (α / r) A B tensor by tensor on the
+host, so the file is a plain model; `jrl.models.lora.save_adapters` writes
+the adapters alone in PEFT's layout.
+
 Mixture-of-experts layers (Qwen3-MoE) stack their E experts in one array;
 the file has one tensor per expert, as the checkpoints on the Hub do:
 
@@ -247,6 +252,11 @@ def load(
     Checkpoint(config, graphdef, params, hf_config).
   """
   config, hf_config = load_config(path, **config_overrides)
+  if config.lora is not None:
+    raise ValueError(
+      f'{path}: `lora` cannot be loaded with the base; load it without, then add adapters '
+      'with jrl.models.lora.attach (fresh) or lora.load_adapters (a PEFT directory).'
+    )
   tensors = _open_files(path)
   graphdef, abstract_params = transformer.abstract(config, lm_head=lm_head, scalar_head=scalar_head)
   if mesh is not None:
@@ -371,15 +381,10 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
     out_config['architectures'] = [f'{family_arch}ForSequenceClassification']
     out_config['num_labels'] = 1
 
-  entries = []
-  for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    name, transposed = hf_name(parallel.path_keys(key_path))
-    entries.append((name, leaf, transposed))
-
   shards, current, size = [], {}, 0
-  for name, leaf, transposed in entries:
+  for name, param, transposed in _host_params(config, params):
     # One parameter at a time on the host (a stacked one as its E tensors).
-    for tname, host in _host_tensors(name, distributed.fetch(leaf), transposed):
+    for tname, host in _host_tensors(name, param, transposed):
       if current and size + host.nbytes > max_shard_bytes:
         shards.append(current)
         current, size = {}, 0
@@ -408,12 +413,37 @@ def save(path, config, params, *, hf_config=None, source_dir=None, max_shard_byt
         shutil.copyfile(src, os.path.join(path, fname))
 
 
-def to_host(params):
-  """{Hugging Face name: np.ndarray in HF layout}, for comparisons and export."""
-  out = {}
+def _host_params(config, params):
+  """Yields (HF name, host array in jrl layout, transposed) one parameter at a
+  time, LoRA adapters folded into their kernels."""
+  from jrl.models import lora
+
+  adapters = {}
   for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    name, transposed = hf_name(parallel.path_keys(key_path))
-    out.update(_host_tensors(name, distributed.fetch(leaf), transposed))
+    keys = parallel.path_keys(key_path)
+    if lora.is_adapter(keys):
+      adapters.setdefault(keys[:-1], {})[keys[-1]] = leaf
+  if adapters and (config is None or config.lora is None):
+    raise ValueError('params hold LoRA adapters: pass the config whose `lora` made them.')
+  for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    keys = parallel.path_keys(key_path)
+    if lora.is_adapter(keys):
+      continue
+    name, transposed = hf_name(keys)
+    host = distributed.fetch(leaf)
+    pair = adapters.get(keys[:-1]) if keys[-1] == 'kernel' else None
+    if pair is not None:
+      a, b = distributed.fetch(pair['lora_a']), distributed.fetch(pair['lora_b'])
+      host = lora.merge_host(host, a, b, config.lora.scale)
+    yield name, host, transposed
+
+
+def to_host(params, config=None):
+  """{Hugging Face name: np.ndarray in HF layout}, for comparisons and export
+  (LoRA adapters folded in; `config` is needed then)."""
+  out = {}
+  for name, host, transposed in _host_params(config, params):
+    out.update(_host_tensors(name, host, transposed))
   return out
 
 

@@ -31,7 +31,21 @@ Switch-Transformer load-balancing loss over all MoE layers
 
 Numerics: parameters are stored in `config.param_dtype` and cast to
 `config.compute_dtype` for matmuls; RMSNorm statistics, rotary angles,
-attention softmax, router softmax and logits are float32.
+attention softmax, router softmax and logits are float32. With float32
+params and bfloat16 compute the gradients are float32 (the cast's
+transpose), so an optimiser updates float32 master weights.
+
+Training memory (fields of `ModelConfig`, used only by the full-sequence
+forward, never by the sampler's cached calls): `remat` checkpoints each
+block (`jax.checkpoint` with a policy from `REMAT_POLICY_FNS`), and
+`scan_layers` runs the blocks in one `jax.lax.scan` over their parameters
+stacked on the fly (the stored layout stays a list of layers, so
+checkpoints, Hugging Face files and the sampler do not change; the price is
+one stacked copy of the layer weights and of their gradients per step).
+
+LoRA: with `config.lora`, the targeted projections carry adapters
+`lora_a` [in, r] and `lora_b` [r, out] (`nnx.LoRAParam`) and compute
+x W + (alpha / r)·(x A) B; `jrl/models/lora.py` splits, merges and exports them.
 
 Shapes: B batch, T tokens, S keys, D width, F MLP width, H query heads,
 K kv heads, d head width, V vocabulary, E experts, N = B·T token rows.
@@ -56,19 +70,43 @@ NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows st
 
 
 class Dense(nnx.Module):
-  """y = x @ kernel (+ bias); kernel [in, out] stored in param dtype."""
+  """y = x @ kernel (+ bias); kernel [in, out] stored in param dtype.
 
-  def __init__(self, in_dim, out_dim, config, *, rngs, bias=False):
+  With `lora` (the config's `lora` must be set), also low-rank adapters
+  A [in, r] ~ N(0, 1/in) and B [r, out] = 0, drawn from the `lora` stream of
+  `rngs` (so the base weights do not depend on them), and
+  y = x W (+ bias) + (alpha / r)·(x A) B: A B is never formed.
+  """
+
+  def __init__(self, in_dim, out_dim, config, *, rngs, bias=False, lora=False):
     init = nnx.initializers.normal(config.init_std)
-    self.kernel = nnx.Param(init(rngs.params(), (in_dim, out_dim), config.param_jnp_dtype))
-    self.bias = nnx.Param(jnp.zeros((out_dim,), config.param_jnp_dtype)) if bias else None
+    dtype = config.param_jnp_dtype
+    self.kernel = nnx.Param(init(rngs.params(), (in_dim, out_dim), dtype))
+    self.bias = nnx.Param(jnp.zeros((out_dim,), dtype)) if bias else None
     self.compute_dtype = config.compute_jnp_dtype
+    self.lora_a = self.lora_b = None
+    self.lora_scale = config.lora.scale if lora else None
+    if lora:
+      r = config.lora.rank
+      a_init = nnx.initializers.normal(1.0 / math.sqrt(in_dim))
+      self.lora_a = nnx.data(nnx.LoRAParam(a_init(rngs.lora(), (in_dim, r), dtype)))
+      self.lora_b = nnx.data(nnx.LoRAParam(jnp.zeros((r, out_dim), dtype)))
 
   def __call__(self, x):
-    y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype))
+    cd = self.compute_dtype
+    x = x.astype(cd)
+    y = jnp.dot(x, self.kernel[...].astype(cd))
     if self.bias is not None:
-      y = y + self.bias[...].astype(self.compute_dtype)
+      y = y + self.bias[...].astype(cd)
+    if self.lora_a is not None:
+      xa = jnp.dot(x, self.lora_a[...].astype(cd))
+      y = y + jnp.dot(xa, self.lora_b[...].astype(cd)) * jnp.asarray(self.lora_scale, cd)
     return y
+
+
+def _lora(config, target):
+  """Whether the projection `target` (a Hugging Face name) gets adapters."""
+  return config.lora is not None and target in config.lora.targets
 
 
 class RMSNorm(nnx.Module):
@@ -239,10 +277,11 @@ class Attention(nnx.Module):
 
   def __init__(self, config, layer, *, rngs):
     d, h, k, w = config.head_dim, config.num_heads, config.num_kv_heads, config.width
-    self.q = Dense(w, h * d, config, rngs=rngs, bias=config.qkv_bias)
-    self.k = Dense(w, k * d, config, rngs=rngs, bias=config.qkv_bias)
-    self.v = Dense(w, k * d, config, rngs=rngs, bias=config.qkv_bias)
-    self.o = Dense(h * d, w, config, rngs=rngs)
+    bias = config.qkv_bias
+    self.q = Dense(w, h * d, config, rngs=rngs, bias=bias, lora=_lora(config, 'q_proj'))
+    self.k = Dense(w, k * d, config, rngs=rngs, bias=bias, lora=_lora(config, 'k_proj'))
+    self.v = Dense(w, k * d, config, rngs=rngs, bias=bias, lora=_lora(config, 'v_proj'))
+    self.o = Dense(h * d, w, config, rngs=rngs, lora=_lora(config, 'o_proj'))
     self.q_norm = RMSNorm(d, config) if config.qk_norm else None
     self.k_norm = RMSNorm(d, config) if config.qk_norm else None
     self.config = config
@@ -274,9 +313,10 @@ class MLP(nnx.Module):
   approximation)."""
 
   def __init__(self, config, *, rngs):
-    self.gate = Dense(config.width, config.mlp_width, config, rngs=rngs)
-    self.up = Dense(config.width, config.mlp_width, config, rngs=rngs)
-    self.down = Dense(config.mlp_width, config.width, config, rngs=rngs)
+    d, f = config.width, config.mlp_width
+    self.gate = Dense(d, f, config, rngs=rngs, lora=_lora(config, 'gate_proj'))
+    self.up = Dense(d, f, config, rngs=rngs, lora=_lora(config, 'up_proj'))
+    self.down = Dense(f, d, config, rngs=rngs, lora=_lora(config, 'down_proj'))
     self.activation = config.activation
 
   def __call__(self, x):
@@ -465,16 +505,48 @@ class Transformer(nnx.Module):
     self, tokens_BxT, positions_BxT, attention, caches=None, *, return_router_logits=False
   ):
     """Final normed hidden states [B, T, D] (compute dtype) and the caches;
-    with `return_router_logits` also the list of MoE router logits."""
+    with `return_router_logits` also the list of MoE router logits.
+
+    Without caches (the training forward) the blocks run as `config.remat`
+    and `config.scan_layers` say; with caches (the sampler) always one by one.
+    """
     x = self.embed(tokens_BxT)
+    cfg = self.config
     new_caches, router_logits = [], []
-    for i, layer in enumerate(self.layers):
-      x, c, r = layer(x, positions_BxT, attention, i, None if caches is None else caches[i])
-      new_caches.append(c)
-      if r is not None:
-        router_logits.append(r)
+    if caches is None and cfg.scan_layers:
+      x, router_logits = self._scan(x, positions_BxT, attention)
+    elif caches is None and cfg.remat != 'none':
+      for i, layer in enumerate(self.layers):
+        graphdef, state = nnx.split(layer)
+        x, r = _block_fn(graphdef, i, positions_BxT, attention, cfg.remat)(state, x)
+        if r is not None:
+          router_logits.append(r)
+    else:
+      for i, layer in enumerate(self.layers):
+        x, c, r = layer(x, positions_BxT, attention, i, None if caches is None else caches[i])
+        new_caches.append(c)
+        if r is not None:
+          router_logits.append(r)
     out = (self.final_norm(x), (None if caches is None else new_caches))
     return (*out, router_logits) if return_router_logits else out
+
+  def _scan(self, x, positions_BxT, attention):
+    """The blocks as one `jax.lax.scan` over their parameters stacked [L, ...].
+
+    Every layer has the same structure and attention options (checked by
+    ModelConfig), so layer 0's graph and index stand for all of them.
+    """
+    graphdef = nnx.graphdef(self.layers[0])
+    states = []
+    for i, layer in enumerate(self.layers):
+      g, state = nnx.split(layer)
+      if g != graphdef:
+        raise ValueError(f'scan_layers: layer {i} differs in structure from layer 0.')
+      states.append(state)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    block = _block_fn(graphdef, 0, positions_BxT, attention, self.config.remat, prevent_cse=False)
+    x, routers = jax.lax.scan(lambda h, state: block(state, h), x, stacked)
+    return x, ([] if routers is None else list(routers))
 
   def unembed(self):
     """[D, V] output projection in compute dtype (embedding transposed when tied)."""
@@ -501,6 +573,63 @@ class Transformer(nnx.Module):
     return (hidden_BxTxD.astype(jnp.float32) @ kernel)[..., 0]
 
 
+# What the backward pass may keep of a block (see config.REMAT_POLICIES).
+REMAT_POLICY_FNS = {
+  'full': jax.checkpoint_policies.nothing_saveable,
+  'dots': jax.checkpoint_policies.checkpoint_dots,
+  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_fn(graphdef, layer, positions_BxT, attention, remat, prevent_cse=True):
+  """`(block state, x) -> (x, router logits or None)` for one block of the
+  training forward, wrapped in `jax.checkpoint` with the `remat` policy
+  (unless 'none'): the backward pass then recomputes what the policy does
+  not save, from the block's input."""
+
+  def run(state, x_BxTxD):
+    x_BxTxD, _, router_logits = nnx.merge(graphdef, state)(
+      x_BxTxD, positions_BxT, attention, layer, None
+    )
+    return x_BxTxD, router_logits
+
+  if remat == 'none':
+    return run
+  run = jax.checkpoint(run, policy=REMAT_POLICY_FNS[remat], prevent_cse=prevent_cse)
+  if not prevent_cse:
+    return run
+  return _after_cotangent(run)
+
+
+def _after_cotangent(fn):
+  """`fn` whose recomputation in the backward pass waits for its output cotangent.
+
+  Nothing in the data flow stops XLA from scheduling the recomputation of
+  every checkpointed block at the start of the backward pass, where all
+  their activations are alive at once and nothing is saved (XLA:CPU does
+  this, and drops the optimisation barrier meant to prevent it). Adding
+  0 · (one element of the cotangent) to the saved residuals makes each
+  recomputation depend on the cotangent; XLA does not fold x·0 for floats.
+  A non-finite cotangent makes the residuals NaN, but then this block's
+  gradients were not finite anyway.
+  """
+
+  @jax.custom_vjp
+  def wrapped(state, x):
+    return fn(state, x)
+
+  def fwd(state, x):
+    return jax.vjp(fn, state, x)
+
+  def bwd(vjp_fn, cotangent):
+    zero = jax.tree.leaves(cotangent)[0].reshape(-1)[0] * 0
+    tie = lambda r: r + zero.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r
+    return jax.tree.map(tie, vjp_fn)(cotangent)
+
+  wrapped.defvjp(fwd, bwd)
+  return wrapped
+
+
 def softcap_logits(logits, cap):
   """c·tanh(logits / c) (identity when `cap` is None)."""
   if cap is None:
@@ -523,14 +652,21 @@ def create(config, key, *, lm_head=True, scalar_head=False):
   Returns:
     (graphdef, params) with params an `nnx.State` of arrays.
   """
-  model = Transformer(config, rngs=nnx.Rngs(params=key), lm_head=lm_head, scalar_head=scalar_head)
+  model = Transformer(config, rngs=_rngs(key), lm_head=lm_head, scalar_head=scalar_head)
   return nnx.split(model)
+
+
+def _rngs(key):
+  """Streams of `create`: `params` for the base weights, `lora` for adapters."""
+  if isinstance(key, int):
+    key = jax.random.key(key)
+  return nnx.Rngs(params=key, lora=jax.random.fold_in(key, 0x10A))
 
 
 def abstract(config, *, lm_head=True, scalar_head=False):
   """`(graphdef, params)` with `jax.ShapeDtypeStruct` leaves; allocates nothing."""
   model = nnx.eval_shape(
-    lambda: Transformer(config, rngs=nnx.Rngs(params=0), lm_head=lm_head, scalar_head=scalar_head)
+    lambda: Transformer(config, rngs=_rngs(0), lm_head=lm_head, scalar_head=scalar_head)
   )
   return nnx.split(model)
 
@@ -670,6 +806,22 @@ _LOGICAL_AXES = {
   ('moe', 'down'): ('expert', 'expert_mlp', 'embed'),
   ('final_norm', 'scale'): ('norm',),
   ('lm_head', 'kernel'): ('embed', 'vocab'),
+  # LoRA adapters: A [in, r] and B [r, out] split like the kernel's in and
+  # out dimensions; the rank r is replicated.
+  ('attn', 'q', 'lora_a'): ('embed', None),
+  ('attn', 'q', 'lora_b'): (None, 'q_heads'),
+  ('attn', 'k', 'lora_a'): ('embed', None),
+  ('attn', 'k', 'lora_b'): (None, 'kv_heads'),
+  ('attn', 'v', 'lora_a'): ('embed', None),
+  ('attn', 'v', 'lora_b'): (None, 'kv_heads'),
+  ('attn', 'o', 'lora_a'): ('q_heads', None),
+  ('attn', 'o', 'lora_b'): (None, 'embed'),
+  ('mlp', 'gate', 'lora_a'): ('embed', None),
+  ('mlp', 'gate', 'lora_b'): (None, 'mlp'),
+  ('mlp', 'up', 'lora_a'): ('embed', None),
+  ('mlp', 'up', 'lora_b'): (None, 'mlp'),
+  ('mlp', 'down', 'lora_a'): ('mlp', None),
+  ('mlp', 'down', 'lora_b'): (None, 'embed'),
   ('score', 'kernel'): ('embed', 'head_out'),
 }
 
