@@ -23,7 +23,7 @@ def base():
   c.mesh.fsdp = 1  # parameter-sharded data-parallel ways
   c.mesh.tensor = 1  # tensor-parallel ways
 
-  # Where the sampler runs relative to the trainer (see jrl/trainers/loop.py):
+  # Where the sampler runs relative to the trainer (see jrl/trainers/topology.py):
   c.topology = ml_collections.ConfigDict()
   c.topology.kind = 'colocated'  # 'colocated' | 'disaggregated' | 'one_step_off'
   c.topology.rollout_devices = 0  # disaggregated / one_step_off: the last N devices sample

@@ -325,6 +325,15 @@ GRPO_SETUPS = {
 }
 
 
+def rl_iterations(job, steps):
+  """The metrics of the first `steps` iterations of a built job (no checkpoints, no writer)."""
+  state, records = job.state, []
+  for it in range(steps):
+    state, m = job.iterate(state, it)
+    records.append(m)
+  return records
+
+
 def bench_grpo(args):
   """Seconds per stage of GRPO steps of configs/grpo_arith.py (median after the first)."""
   import os
@@ -336,7 +345,8 @@ def bench_grpo(args):
   logging.set_verbosity(logging.WARNING)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import grpo_arith
-  from jrl.trainers import loop
+  from jrl import trainers
+  from jrl.trainers import controller
 
   config = grpo_arith.get_config()
   config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
@@ -349,24 +359,22 @@ def bench_grpo(args):
   for section, fields in GRPO_SETUPS[args.setup].items():
     for k, v in fields.items():
       config[section][k] = v
-  trainer = loop.make_trainer(config)
-  mc = trainer.model_config
+  job = trainers.build(config)
+  mc, seq_len = job.res.model.config, job.res.seq_len
   rows = config.rl.prompts_per_step * config.rl.group_size
   print(
     f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
-    f'{trainer.seq_len} tokens (prompt <= {config.rl.max_prompt_len}, new <= '
+    f'{seq_len} tokens (prompt <= {config.rl.max_prompt_len}, new <= '
     f'{config.rl.max_new_tokens}), kl_coef {config.rl.kl_coef}, backend {jax.default_backend()}'
   )
-  records = []
-  for _ in range(args.steps):
-    records.append(trainer.rl_iteration())
-    trainer.iteration += 1
+  records = rl_iterations(job, args.steps)
+  controller.close(job)
   steady = records[1:] or records
   med = lambda k: statistics.median(r[k] for r in steady)
   peak = measure_matmul_peak()
   # The update runs forward + backward (3x forward FLOPs) on every padded token.
-  update_flops = 3 * model_flops_per_token(mc, trainer.seq_len) * rows * config.rl.epochs
-  update_flops *= trainer.seq_len
+  update_flops = 3 * model_flops_per_token(mc, seq_len) * rows * config.rl.epochs
+  update_flops *= seq_len
   gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
   for stage in ('generate', 'reward', 'reference', 'update', 'step'):
     print(f'  {stage:10s} {med("time/" + stage):8.3f} s')
@@ -390,9 +398,10 @@ def bench_topology(args):
   logging.set_verbosity(logging.WARNING)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import grpo_arith
-  from jrl.trainers import loop
+  from jrl import trainers
+  from jrl.trainers import controller
 
-  def trainer_for(kind):
+  def job_for(kind):
     config = grpo_arith.get_config()
     config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
     config.sft.steps = 0
@@ -402,19 +411,16 @@ def bench_topology(args):
     for section, fields in GRPO_SETUPS[args.setup].items():
       for k, v in fields.items():
         config[section][k] = v
-    return loop.make_trainer(config)
+    return trainers.build(config)
 
   print(f'topology ({args.setup} setup, {args.steps} steps each, medians after the first 2)')
   results = {}
   for kind in ('colocated', 'one_step_off'):
-    trainer = trainer_for(kind)
-    records = []
+    job = job_for(kind)
     start = time.perf_counter()
-    for _ in range(args.steps):
-      records.append(trainer.rl_iteration())
-      trainer.iteration += 1
+    records = rl_iterations(job, args.steps)
     total = time.perf_counter() - start
-    trainer.close()
+    controller.close(job)
     steady = records[2:] or records
     med = lambda k, steady=steady: statistics.median(r.get(k, 0.0) for r in steady)
     results[kind] = med('time/step')
@@ -457,8 +463,8 @@ def bench_costmodel(args):
   logging.set_verbosity(logging.WARNING)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import grpo_arith
-  from jrl import costmodel
-  from jrl.trainers import loop
+  from jrl import costmodel, trainers
+  from jrl.trainers import controller
 
   def measure(overrides):
     config = grpo_arith.get_config()
@@ -473,24 +479,25 @@ def bench_costmodel(args):
     rl = config.rl
     rl.minibatch_size = min(rl.minibatch_size, rl.prompts_per_step * rl.group_size)
     config.sampler.num_slots = max(config.sampler.num_slots, rl.group_size)
-    trainer = loop.make_trainer(config)
-    records, t_warm = [], None
+    job = trainers.build(config)
+    tracer = job.res.tracer
+    state, records, t_warm = job.state, [], None
     for i in range(args.steps):
       if i == args.warmup:
-        t_warm = trainer.tracer.now()
-      records.append(trainer.rl_iteration())
-      trainer.iteration += 1
-    trainer.close()
+        t_warm = tracer.now()
+      state, m = job.iterate(state, i)
+      records.append(m)
+    controller.close(job)
     steady = records[args.warmup :]
     med = lambda k: statistics.median(r.get(k, 0.0) for r in steady)
-    trace = trainer.tracer.trace()
+    trace = tracer.trace()
     trace['traceEvents'] = [e for e in trace['traceEvents'] if e.get('ts', 1e18) >= t_warm * 1e6]
     workload = costmodel.Workload(
       prompts_per_step=rl.prompts_per_step,
       group_size=rl.group_size,
       prompt_len=round(
         statistics.mean(
-          len(trainer.encoder.prompt_ids(ex['prompt'])) for ex in trainer.task.held_out[:50]
+          len(job.res.encoder.prompt_ids(ex['prompt'])) for ex in job.res.task.held_out[:50]
         )
       ),
       max_prompt_len=rl.max_prompt_len,
@@ -514,7 +521,7 @@ def bench_costmodel(args):
       'update': med('time/update'),
       'step': med('time/step'),
     }
-    return trainer.model_config, workload, layout, trace, measured
+    return job.res.model.config, workload, layout, trace, measured
 
   model, workload, layout, trace, measured = measure({})
   coeffs = costmodel.calibrate(trace, workload)

@@ -24,19 +24,21 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)
-  from jrl import checkpoint
-  from jrl.trainers import loop
+  from jrl import checkpoint, trainers
+  from jrl.trainers import controller, setup
 
-  trainer = loop.make_trainer(_CONFIG.value)
-  ckpt = trainer.checkpointer
-  step = _STEP.value if _STEP.value is not None else ckpt.latest_step()
-  if step is None:
-    raise SystemExit(f'no checkpoint in {ckpt.directory}')
+  config = _CONFIG.value
+  job = trainers.build(config)
+  ckpt = setup.checkpointer(config, job.res.workdir)
   try:
-    trainer.state, _ = ckpt.restore(step, checkpoint.abstract_like(trainer.state))
-    result = {'checkpoint': step, **trainer.evaluate()}
+    step = _STEP.value if _STEP.value is not None else ckpt.latest_step()
+    if step is None:
+      raise SystemExit(f'no checkpoint in {ckpt.directory}')
+    state, _ = ckpt.restore(step, checkpoint.abstract_like(job.state))
+    result = {'checkpoint': step, **job.evaluate(state)}
   finally:
-    trainer.close()
+    controller.close(job)
+    ckpt.close()
   print(json.dumps(result))
 
 

@@ -2,7 +2,7 @@
 
     python launch/train.py --config configs/grpo_arith.py [--config.rl.steps=200 ...]
 
-Parses flags and calls `jrl.trainers.loop.run`; nothing else lives here.
+Parses flags and calls `jrl.trainers.run`; nothing else lives here.
 Restarting the same command resumes from the latest checkpoint in
 `config.workdir`; SIGTERM (preemption) saves a checkpoint and exits 0.
 
@@ -35,9 +35,9 @@ def main(argv):
   from jrl import distributed
 
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from jrl.trainers import loop
+  from jrl import trainers
 
-  loop.run(_CONFIG.value)
+  trainers.run(_CONFIG.value)
 
 
 if __name__ == '__main__':

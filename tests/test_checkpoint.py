@@ -20,8 +20,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jrl import checkpoint as ckpt_lib
-from jrl.trainers import common, loop
-from tests.trainers.test_grpo_loop import QUIET, assert_trees_equal, shrunk_config
+from jrl import trainers
+from jrl.trainers import common
+from tests.helpers import QUIET, assert_trees_equal, shrunk_config
 
 STEPS = (1, 2, 3)
 
@@ -211,13 +212,13 @@ def test_the_run_resumes_from_the_step_before_a_damaged_latest_checkpoint(tmp_pa
   with the same state as the uninterrupted run."""
   overrides = {**QUIET, 'sft.steps': 3, 'rl.steps': 0, 'checkpoint.every': 1}
   straight = tmp_path / 'straight'
-  state = loop.run(shrunk_config(straight, overrides))
+  state = trainers.run(shrunk_config(straight, overrides))
   resumed = tmp_path / 'resumed'
   shutil.copytree(straight, resumed)
   ckdir = str(resumed / 'checkpoints')
   rel = damage(ckdir, 3, 'flip')
   capsys.readouterr()
-  resumed_state = loop.run(shrunk_config(resumed, overrides))
+  resumed_state = trainers.run(shrunk_config(resumed, overrides))
   out = capsys.readouterr().out
   assert 'checkpoint step 3 is damaged' in out and rel in out
   assert f'resumed from {ckdir}/2 (iteration 2)' in out

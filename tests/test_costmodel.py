@@ -17,10 +17,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jrl import costmodel, models, sampler, trace
-from jrl.trainers import loop
+from jrl import costmodel, models, sampler, trace, trainers
 from jrl.trainers.optim import make_optimizer
-from tests.trainers.test_grpo_loop import QUIET, optim_config, shrunk_config
+from tests.helpers import QUIET, optim_config, shrunk_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location('plan', f'{REPO}/launch/plan.py')
@@ -95,7 +94,7 @@ def traced_run(tmp_path_factory):
     'rl.steps': 3,
     'reward.mode': 'inline',
   }
-  loop.run(shrunk_config(workdir, overrides))
+  trainers.run(shrunk_config(workdir, overrides))
   with open(os.path.join(workdir, 'trace.json'), encoding='utf-8') as f:
     return json.load(f), workdir
 

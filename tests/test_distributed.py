@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jrl import distributed
+from jrl import distributed, trainers
 from jrl.data import PromptStream
 from jrl.metrics import read_jsonl
-from jrl.trainers import loop
-from tests.trainers.test_grpo_loop import SHRINK, logged_steps, shrunk_config
+from tests.helpers import SHRINK, logged_steps, shrunk_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location('local_launch', f'{REPO}/launch/local.py')
@@ -192,7 +191,7 @@ def two_process_runs(tmp_path_factory):
   out['resume_rc'], out['resume_log'] = run_pair(out['preempted'], root, cache)
   # One process with the 8 devices, in this test process.
   out['single'] = str(root / 'single')
-  loop.run(shrunk_config(out['single'], JOB))
+  trainers.run(shrunk_config(out['single'], JOB))
   return out
 
 

@@ -2,8 +2,8 @@
 the field, or the file and line (or the generated example), before anything
 is compiled; every config in configs/ still validates.
 
-Config values go through `loop.validate` (which runs `checks.check_fields`
-first); examples through `loop.Trainer`, which encodes every prompt once
+Config values go through `checks.validate` (which runs `checks.check_fields`
+first); examples through `trainers.build`, which encodes every prompt once
 while it reads the task. The launcher is run once in a subprocess, to show
 that `--config.x=<bad>` exits non-zero within seconds with the message.
 """
@@ -22,10 +22,11 @@ import pytest
 
 from configs import common as config_common
 from configs import grpo_arith
+from jrl import trainers
 from jrl.data import ArithmeticTask, read_preference_jsonl
 from jrl.models.tokenizer import CharTokenizer
-from jrl.trainers import checks, loop
-from tests.trainers.test_grpo_loop import QUIET, SHRINK, set_fields
+from jrl.trainers import checks, controller
+from tests.helpers import QUIET, SHRINK, set_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(
@@ -94,7 +95,7 @@ BAD_FIELDS = [
 def test_bad_field_is_named_with_its_range_and_value(tmp_path, field, value, rule):
   config = arith_config(tmp_path, {field: value})
   with pytest.raises(ValueError) as info:
-    loop.validate(config, 1)
+    checks.validate(config, 1)
   assert str(info.value) == f'`{field}` must be {rule}, got {value!r}.'
 
 
@@ -118,7 +119,7 @@ def test_bad_field_of_an_algorithm_section_is_named(tmp_path, section, field, va
   with pytest.raises(
     ValueError, match=re.escape(f'`{section}.{field}` must be {rule}, got {value!r}.')
   ):
-    loop.validate(config, 1)
+    checks.validate(config, 1)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +145,7 @@ def test_ints_are_accepted_for_float_fields():
 def test_every_default_config_validates(name):
   config = default_config(name)
   checks.check_fields(config)
-  loop.validate(config, 1)
+  checks.validate(config, 1)
 
 
 @pytest.mark.parametrize('name', CONFIG_NAMES)
@@ -225,7 +226,7 @@ def test_prompt_file_row_is_refused_at_set_up(tmp_path, line, match):
   rows[16] = line
   path = write_rows(tmp_path / 'prompts.jsonl', rows)
   with pytest.raises(ValueError, match=match):
-    loop.Trainer(jsonl_config(tmp_path, path))
+    trainers.build(jsonl_config(tmp_path, path))
 
 
 def test_held_out_file_row_is_refused_at_set_up(tmp_path):
@@ -235,7 +236,7 @@ def test_held_out_file_row_is_refused_at_set_up(tmp_path):
   eval_path = write_rows(tmp_path / 'eval.jsonl', rows)
   config = jsonl_config(tmp_path, train, {'task.eval_path': eval_path})
   with pytest.raises(ValueError, match=r"eval\.jsonl:3: field `prompt`: character '\\t'"):
-    loop.Trainer(config)
+    trainers.build(config)
 
 
 def test_invalid_utf8_in_the_prompt_file_names_the_line(tmp_path):
@@ -244,7 +245,7 @@ def test_invalid_utf8_in_the_prompt_file_names_the_line(tmp_path):
   with pytest.raises(
     ValueError, match=r'prompts\.jsonl:17: invalid UTF-8 \(byte 0xff at column 15'
   ):
-    loop.Trainer(jsonl_config(tmp_path, path))
+    trainers.build(jsonl_config(tmp_path, path))
 
 
 def test_sft_file_row_longer_than_a_row_is_refused(tmp_path):
@@ -258,14 +259,14 @@ def test_sft_file_row_longer_than_a_row_is_refused(tmp_path):
     match=r'sft\.jsonl:9: prompt \(4 tokens\) \+ `response` \(30 tokens\) \+ eos exceed '
     r'`rl\.max_prompt_len` \+ `rl\.max_new_tokens` = 14 tokens',
   ):
-    loop.Trainer(config)
+    trainers.build(config)
 
 
 def test_sft_rows_are_not_length_checked_without_sft_steps(tmp_path):
   sft_rows = [{'prompt': '1+1=', 'response': '9' * 30}]
   sft_path = write_rows(tmp_path / 'sft.jsonl', sft_rows)
-  trainer = loop.Trainer(arith_config(tmp_path, {'sft.train_path': sft_path, 'sft.steps': 0}))
-  trainer.close()
+  job = trainers.build(arith_config(tmp_path, {'sft.train_path': sft_path, 'sft.steps': 0}))
+  controller.close(job)
 
 
 def test_generated_prompts_longer_than_max_prompt_len_are_refused(tmp_path):
@@ -278,7 +279,7 @@ def test_generated_prompts_longer_than_max_prompt_len_are_refused(tmp_path):
     match=r"task 'arith' training example 0: field `prompt` is 6 tokens, more than "
     r'`rl\.max_prompt_len`=4',
   ):
-    loop.Trainer(config)
+    trainers.build(config)
 
 
 def test_generated_task_with_a_character_outside_the_vocabulary(tmp_path, monkeypatch):
@@ -294,7 +295,7 @@ def test_generated_task_with_a_character_outside_the_vocabulary(tmp_path, monkey
   with pytest.raises(
     ValueError, match=r"task 'arith' training example 0: field `prompt`: character '×'"
   ):
-    loop.Trainer(arith_config(tmp_path))
+    trainers.build(arith_config(tmp_path))
 
 
 def char_checker(max_prompt_len=8, max_new_tokens=6):

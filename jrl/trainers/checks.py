@@ -13,10 +13,22 @@ non-finite or of the wrong type raises ValueError naming the field:
 character the tokenizer cannot encode or a prompt longer than
 `rl.max_prompt_len` fails at set-up with the file and line (or the index of a
 generated example), not when the stream first draws the row mid-run.
+
+`validate(config, batch_shards)` runs `check_fields` and then the checks
+between fields and against the devices (group sizes, minibatches over the
+mesh, the topology).
 """
 
 import math
 from typing import NamedTuple
+
+import jax
+
+from jrl import losses as L
+from jrl.trainers import policy
+
+GROUP_ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp_baseline')
+TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
 
 
 class Range(NamedTuple):
@@ -278,3 +290,85 @@ def check_generated(name, examples, check):
       check(example)
     except ValueError as e:
       raise ValueError(f'{name} example {i}: {e}') from None
+
+
+# Between fields --------------------------------------------------------------
+
+
+def validate(config, batch_shards):
+  """Raises ValueError naming the field for anything inconsistent.
+
+  Every numeric field is first checked against its range (`FIELDS`);
+  what follows are the checks between fields and against the devices.
+  """
+  check_fields(config)
+  rl = config.rl
+
+  def need(cond, field, msg):
+    if not cond:
+      raise ValueError(f'`{field}`: {msg}')
+
+  need(
+    rl.group_size >= 2 or rl.advantage not in GROUP_ESTIMATORS,
+    'rl.group_size',
+    f'must be >= 2 for the group estimator {rl.advantage!r}.',
+  )
+  need(rl.advantage in policy.ESTIMATORS, 'rl.advantage', f'must be one of {policy.ESTIMATORS}.')
+  need(rl.policy_loss in policy.POLICY_LOSSES, 'rl.policy_loss', f'one of {policy.POLICY_LOSSES}.')
+  need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
+  rows = rl.prompts_per_step * rl.group_size
+  need(
+    rows % rl.minibatch_size == 0,
+    'rl.minibatch_size',
+    f'must divide prompts_per_step x group_size = {rows}.',
+  )
+  need(
+    rl.minibatch_size % batch_shards == 0,
+    'rl.minibatch_size',
+    f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
+  )
+  need(
+    config.sft.batch_size % batch_shards == 0,
+    'sft.batch_size',
+    f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
+  )
+  need(
+    0 <= rl.overlong_buffer < rl.max_new_tokens,
+    'rl.overlong_buffer',
+    'must be in [0, max_new_tokens).',
+  )
+  need(config.sampler.num_slots >= rl.group_size, 'sampler.num_slots', 'must be >= rl.group_size.')
+  need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
+  need(
+    rl.kl_estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
+    'rl.kl_estimator',
+    "'k3_ratio_corrected' weights the KL by π/π_old, which exists only in the loss: "
+    "set rl.kl_in='loss' or another estimator.",
+  )
+  tc = config.topology
+  need(tc.kind in TOPOLOGIES, 'topology.kind', f'must be one of {TOPOLOGIES}.')
+  need(
+    tc.kind != 'disaggregated' or tc.rollout_devices >= 1,
+    'topology.rollout_devices',
+    'must be >= 1 for a disaggregated topology.',
+  )
+  need(
+    tc.rollout_devices < jax.device_count(),
+    'topology.rollout_devices',
+    f'must leave devices for training (there are {jax.device_count()}).',
+  )
+  need(
+    tc.kind != 'colocated' or tc.rollout_devices == 0,
+    'topology.rollout_devices',
+    "must be 0 for a colocated topology (use 'disaggregated').",
+  )
+  need(
+    tc.kind != 'one_step_off' or config.algorithm == 'grpo',
+    'topology.kind',
+    "one_step_off runs the GRPO family (algorithm 'grpo') only.",
+  )
+  need(
+    rl.prompts_per_step % jax.process_count() == 0,
+    'rl.prompts_per_step',
+    f'must be divisible by the number of processes ({jax.process_count()}).',
+  )

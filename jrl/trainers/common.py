@@ -1,5 +1,6 @@
-"""What every trainer shares: the train state, sequence batches, and the
-guarded optimiser update that skips non-finite steps."""
+"""What every trainer shares: the train state, sequence batches (packing and
+placement on the mesh), the minibatched forward, and the guarded optimiser
+update that skips non-finite steps."""
 
 from typing import Any, NamedTuple
 
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jrl import distributed
 
 
 class TrainState(NamedTuple):
@@ -40,15 +43,15 @@ def place_on_mesh(tree, mesh):
 
 
 class SequenceBatch(NamedTuple):
-  """Prompt + response token rows, right-padded, [B, L]."""
+  """Prompt + response token rows, right-padded, [B, T]."""
 
-  tokens: jax.Array  # [B, L] int32
-  mask: jax.Array  # [B, L] bool: real tokens
-  loss_mask: jax.Array  # [B, L] bool: response tokens (the ones trained on)
+  tokens: jax.Array  # [B, T] int32
+  mask: jax.Array  # [B, T] bool: real tokens
+  loss_mask: jax.Array  # [B, T] bool: response tokens (the ones trained on)
 
 
 def pack_sequences(prompts, responses, length, pad_id=0):
-  """Right-padded [B, L] rows of prompt + response token lists.
+  """Right-padded [B, T] rows of prompt + response token lists (T = `length`).
 
   Raises:
     ValueError naming the row if a sequence is longer than `length`.
@@ -66,6 +69,27 @@ def pack_sequences(prompts, responses, length, pad_id=0):
     mask[i, : n + m] = True
     loss_mask[i, n : n + m] = True
   return SequenceBatch(tokens, mask, loss_mask)
+
+
+def place(batch, sharding):
+  """Host arrays that every process holds whole -> batch-sharded global arrays."""
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
+
+
+def place_rows(batch, sharding, num_rows):
+  """This process's rows of a batch -> global arrays of `num_rows` rows."""
+  return jax.tree.map(lambda x: distributed.put_rows(x, sharding, num_rows), batch)
+
+
+def minibatched(fn, params, batch, rows, sharding):
+  """`fn(params, tokens, mask)` over consecutive slices of `rows` rows of a
+  [B, T] batch, concatenated and laid out with `sharding` (the forward passes
+  of reference logprobs, proximal logprobs and critic values)."""
+  out = [
+    fn(params, batch.tokens[k : k + rows], batch.mask[k : k + rows])
+    for k in range(0, batch.tokens.shape[0], rows)
+  ]
+  return jax.device_put(jnp.concatenate(out), sharding)
 
 
 def apply_gradients(

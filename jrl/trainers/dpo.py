@@ -3,22 +3,25 @@
 Pairs (prompt, chosen, rejected) come from a JSONL file (`dpo.train_path`)
 or, on the arithmetic task, are made on the fly with a known true preference:
 the correct answer is chosen, a corrupted one rejected. Chosen and rejected
-rows go through the policy in one [2P, L] forward; the reference model (the
+rows go through the policy in one [2P, T] forward; the reference model (the
 policy after the SFT warm-up) is scored once per step, outside the gradient.
+
+An offline algorithm: `build` makes no sampler for training, no reward
+workers and no topology. Held-out accuracy is measured with a greedy
+sampler of its own, built at the first evaluation.
 """
 
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jrl import losses as L
 from jrl import models
 from jrl.data import PromptStream, read_preference_jsonl
-from jrl.trainers import common, loop
+from jrl.trainers import common, controller, rollout, setup, sft, tasks
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
 _REFERENCE_FREE = ('simpo', 'orpo')
@@ -26,9 +29,9 @@ _AVERAGED = ('ipo', 'simpo', 'orpo')  # these take length-averaged logprobs
 
 
 class DPOBatch(NamedTuple):
-  tokens: jax.Array  # [2P, L]: rows 0..P-1 chosen, P..2P-1 rejected
-  mask: jax.Array  # [2P, L] bool
-  loss_mask: jax.Array  # [2P, L] bool response tokens
+  tokens: jax.Array  # [2P, T]: rows 0..P-1 chosen, P..2P-1 rejected
+  mask: jax.Array  # [2P, T] bool
+  loss_mask: jax.Array  # [2P, T] bool response tokens
   ref_logp: jax.Array  # [2P] float32 reference sequence logprobs (sum or mean)
 
 
@@ -92,108 +95,128 @@ def train_step(state, batch, *, graphdef, tx, schedule, cfg):
   return state, metrics
 
 
-def corrupt_answer(answer, rng):
-  """A plausible wrong answer: the right one off by a small nonzero amount."""
-  value = int(answer)
-  delta = int(rng.choice([-1, 1])) * int(rng.integers(1, 11))
-  wrong = value + delta
-  return str(wrong if wrong >= 0 else value + abs(delta))
+def check(config):
+  d = config.dpo
+  if d.loss not in DPO_LOSSES:
+    raise ValueError(f'`dpo.loss` must be one of {DPO_LOSSES}, got {d.loss!r}.')
+  if not d.beta > 0:
+    raise ValueError(f'`dpo.beta` must be > 0, got {d.beta}.')
+  if d.pairs_per_step < 1:
+    raise ValueError(f'`dpo.pairs_per_step` must be >= 1, got {d.pairs_per_step}.')
+  if not d.train_path and config.task.kind != 'arith':
+    raise ValueError('`dpo.train_path` is required unless `task.kind` is "arith".')
 
 
-class DPOTrainer(loop.Trainer):
-  """The controller for offline preference optimisation."""
-
-  def _setup_algorithm(self):
-    d = self.config.dpo
-    if d.loss not in DPO_LOSSES:
-      raise ValueError(f'`dpo.loss` must be one of {DPO_LOSSES}, got {d.loss!r}.')
-    if not d.beta > 0:
-      raise ValueError(f'`dpo.beta` must be > 0, got {d.beta}.')
-    if d.pairs_per_step < 1:
-      raise ValueError(f'`dpo.pairs_per_step` must be >= 1, got {d.pairs_per_step}.')
-    if d.train_path:
-      self.pairs = PromptStream(
-        read_preference_jsonl(d.train_path, check=self.example_checker.pair),
-        seed=loop._seed(self.config.seed, 'dpo'),
-      )
-      self.streams['dpo_stream'] = self.pairs
-    elif self.config.task.kind == 'arith':
-      self.pairs = None  # made from the task stream
-    else:
-      raise ValueError('`dpo.train_path` is required unless `task.kind` is "arith".')
-
-  def _needs_reference(self):
-    return self.config.dpo.loss not in _REFERENCE_FREE
-
-  def __init__(self, config):
-    super().__init__(config)
-    d = config.dpo
-    self.dpo_cfg = DPOLossConfig(
-      loss=d.loss,
-      beta=d.beta,
-      label_smoothing=d.label_smoothing,
-      simpo_gamma=d.simpo_gamma,
-      chunk_size=config.rl.chunk_size,
+def pair_source(config, res):
+  """`next_pairs(n, iteration)`: pairs of `dpo.train_path` (a checkpointed
+  stream), or arithmetic pairs made from the task stream (the correct answer
+  chosen, a near miss rejected)."""
+  if config.dpo.train_path:
+    pairs = PromptStream(
+      read_preference_jsonl(config.dpo.train_path, check=res.checker.pair),
+      seed=setup.seed(config.seed, 'dpo'),
     )
-    self._dpo_step = jax.jit(
-      functools.partial(
-        train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule, cfg=self.dpo_cfg
-      ),
-      donate_argnums=(0,),
-      out_shardings=self.step_shardings,
-    )
-    self._seq_logp = jax.jit(
-      functools.partial(
-        sequence_logprobs,
-        self.graphdef,
-        average=d.loss in _AVERAGED,
-        chunk_size=config.rl.chunk_size,
-      )
-    )
+    res.streams['dpo_stream'] = pairs
+    return lambda n, iteration: pairs.next(n)
 
-  def _next_pairs(self, n):
-    if self.pairs is not None:
-      return self.pairs.next(n)
-    examples = self.rl_stream.next(n)
-    rng = np.random.default_rng(loop._seed(self.config.seed, self.iteration, 'corrupt'))
-    return [
-      {
-        'prompt': ex['prompt'],
-        'chosen': ex['answer'],
-        'rejected': corrupt_answer(ex['answer'], rng),
-      }
-      for ex in examples
-    ]
+  def task_pairs(n, iteration):
+    examples = res.streams['rl_stream'].next(n)
+    return tasks.arith_pairs(examples, setup.seed(config.seed, iteration, 'corrupt'))
 
-  def rl_iteration(self):
+  return task_pairs
+
+
+class Steps(NamedTuple):
+  dpo: Any  # train_step
+  reference: Any  # (params, tokens, mask, loss_mask) -> [2P] reference sequence logprobs
+
+
+def make_steps(config, res, tx, schedule, shardings):
+  d = config.dpo
+  cfg = DPOLossConfig(
+    loss=d.loss,
+    beta=d.beta,
+    label_smoothing=d.label_smoothing,
+    simpo_gamma=d.simpo_gamma,
+    chunk_size=config.rl.chunk_size,
+  )
+  graphdef = res.model.graphdef
+  dpo_step = jax.jit(
+    functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule, cfg=cfg),
+    donate_argnums=(0,),
+    out_shardings=shardings,
+  )
+  reference = jax.jit(
+    functools.partial(
+      sequence_logprobs, graphdef, average=d.loss in _AVERAGED, chunk_size=config.rl.chunk_size
+    )
+  )
+  return Steps(dpo_step, reference)
+
+
+def build(config):
+  """The job of a DPO-family run: an optional SFT warm-up, then `rl.steps`
+  updates on `dpo.pairs_per_step` pairs each."""
+  d = config.dpo
+  res, _ = setup.start(config)
+  check(config)
+  next_pairs = pair_source(config, res)
+  tx, schedule = setup.optimizer(config)
+  uses_ref = d.loss not in _REFERENCE_FREE
+
+  def new_state(params, tx):
+    """The reference is the policy when DPO begins (after the warm-up)."""
+    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
+    return setup.new_state(params, tx, res.mesh, extra)
+
+  state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
+  warmup = sft.warmup(res, state)
+  steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
+  evaluate, close = rollout.held_out_evaluator(res)
+
+  def dpo_iteration(state, it):
     t_step = time.perf_counter()
-    d = self.config.dpo
-    pairs = self._next_pairs(d.pairs_per_step)
-    eos = list(self.stop_tokens[:1])
-    prompts = [self.encoder.prompt_ids(p['prompt']) for p in pairs]
-    chosen = [self.tokenizer.encode(p['chosen']) + eos for p in pairs]
-    rejected = [self.tokenizer.encode(p['rejected']) + eos for p in pairs]
+    pairs = next_pairs(d.pairs_per_step, it)
+    eos = list(res.stop_tokens[:1])
+    prompts = [res.encoder.prompt_ids(p['prompt']) for p in pairs]
+    chosen = [res.tokenizer.encode(p['chosen']) + eos for p in pairs]
+    rejected = [res.tokenizer.encode(p['rejected']) + eos for p in pairs]
     batch = common.pack_sequences(
-      prompts + prompts, chosen + rejected, self.seq_len, self.tokenizer.pad_id
+      prompts + prompts, chosen + rejected, res.seq_len, res.tokenizer.pad_id
     )
-    placed = self._place(batch)
+    placed = common.place(batch, res.batch_sharding)
     start = time.perf_counter()
-    if self.uses_ref:
-      ref = self._seq_logp(
-        self.state.extra['ref_params'], placed.tokens, placed.mask, placed.loss_mask
-      )
+    if uses_ref:
+      ref = steps.reference(state.extra['ref_params'], placed.tokens, placed.mask, placed.loss_mask)
     else:
       ref = jnp.zeros(placed.tokens.shape[0], jnp.float32)
     jax.block_until_ready(ref)
     t_ref = time.perf_counter() - start
     full = DPOBatch(placed.tokens, placed.mask, placed.loss_mask, ref)
     start = time.perf_counter()
-    self.state, m = self._dpo_step(self.state, full)
+    state, m = steps.dpo(state, full)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     m['time/update'] = time.perf_counter() - start
     m['time/reference'] = t_ref
     m['time/step'] = time.perf_counter() - t_step
     m['phase'] = 1.0
-    # The shared nonfinite bookkeeping reads actor/nonfinite.
+    # The controller's non-finite bookkeeping reads actor/nonfinite.
     m['actor/nonfinite'] = m['dpo/nonfinite']
-    return m
+    return state, m
+
+  def iterate(state, it):
+    return warmup.iterate(state, it) if it < config.sft.steps else dpo_iteration(state, it)
+
+  return controller.Job(
+    res,
+    state,
+    iterate,
+    evaluate,
+    start_rl=lambda state: new_state(state.params, tx),
+    close=close,
+    steps=(warmup, steps),
+  )
+
+
+def run(config):
+  return controller.train(build(config))

@@ -1,7 +1,7 @@
 """The policy update of the GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, CISPO,
 RLOO, REINFORCE++): one pure `train_step(state, batch) -> (state, metrics)`.
 
-Rows are prompt + response sequences [B, L]; the loss covers response
+Rows are prompt + response sequences [B, T]; the loss covers response
 tokens only (`loss_mask`). `old_logp` are the behaviour policy's logprobs of
 those tokens (the sampler's, which equal the trainer's for the colocated
 sampler), `ref_logp` the reference model's (unused when `kl_coef` is 0), and
@@ -22,13 +22,13 @@ from jrl.trainers import common
 
 
 class PolicyBatch(NamedTuple):
-  tokens: jax.Array  # [B, L] int32
-  mask: jax.Array  # [B, L] bool real tokens
-  loss_mask: jax.Array  # [B, L] bool response tokens
-  old_logp: jax.Array  # [B, L] float32 behaviour logprobs (0 off the response)
-  ref_logp: jax.Array  # [B, L] float32 reference logprobs (0 when unused)
-  advantages: jax.Array  # [B, L] float32
-  # [B, L] float32 importance weights for a stale behaviour policy (one-step-off);
+  tokens: jax.Array  # [B, T] int32
+  mask: jax.Array  # [B, T] bool real tokens
+  loss_mask: jax.Array  # [B, T] bool response tokens
+  old_logp: jax.Array  # [B, T] float32 behaviour logprobs (0 off the response)
+  ref_logp: jax.Array  # [B, T] float32 reference logprobs (0 when unused)
+  advantages: jax.Array  # [B, T] float32
+  # [B, T] float32 importance weights for a stale behaviour policy (one-step-off);
   # None: on-policy.
   is_weights: jax.Array | None = None
 
@@ -196,14 +196,14 @@ class AdvantageConfig(NamedTuple):
 ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp', 'reinforce_pp_baseline')
 
 
-def advantages(rewards_B, loss_mask_BxL, group_size, cfg, kl_BxL=None):
-  """Per-token advantages [B, L] of one rollout batch.
+def advantages(rewards_B, loss_mask_BxT, group_size, cfg, kl_BxT=None):
+  """Per-token advantages [B, T] of one rollout batch.
 
   Outcome estimators (grpo, dr_grpo, rloo, loo) give each response token its
   sequence's advantage; REINFORCE++ variants use per-token returns with the
   KL penalty (β = `kl_coef_in_reward`) in the reward.
   """
-  m = loss_mask_BxL
+  m = loss_mask_BxT
   if cfg.estimator == 'grpo':
     adv = L.grpo_advantages(rewards_B, group_size, scale=cfg.scale, std=cfg.std, eps=cfg.eps)
   elif cfg.estimator == 'dr_grpo':
@@ -213,12 +213,54 @@ def advantages(rewards_B, loss_mask_BxL, group_size, cfg, kl_BxL=None):
   elif cfg.estimator == 'loo':
     adv = L.loo_advantages(rewards_B, group_size, eps=cfg.eps)
   elif cfg.estimator == 'reinforce_pp':
-    tok = L.token_level_rewards(rewards_B, m, kl=kl_BxL, kl_coef=cfg.kl_coef_in_reward)
+    tok = L.token_level_rewards(rewards_B, m, kl=kl_BxT, kl_coef=cfg.kl_coef_in_reward)
     return L.reinforce_pp_advantages(tok, m, gamma=cfg.gamma)
   elif cfg.estimator == 'reinforce_pp_baseline':
     return L.reinforce_pp_baseline_advantages(
-      rewards_B, m, group_size, kl=kl_BxL, kl_coef=cfg.kl_coef_in_reward, gamma=cfg.gamma
+      rewards_B, m, group_size, kl=kl_BxT, kl_coef=cfg.kl_coef_in_reward, gamma=cfg.gamma
     )
   else:
     raise ValueError(f'`rl.advantage` must be one of {ESTIMATORS}, got {cfg.estimator!r}.')
   return L.broadcast_to_tokens(adv, m)
+
+
+# From the config ------------------------------------------------------------
+
+
+def loss_config(rl):
+  """The PolicyLossConfig of a config's `rl` section."""
+  return PolicyLossConfig(
+    policy_loss=rl.policy_loss,
+    eps_low=rl.eps_low,
+    eps_high=rl.eps_high,
+    dual_clip_c=rl.dual_clip_c or None,
+    log_ratio_clamp=rl.log_ratio_clamp or None,
+    loss_agg=rl.loss_agg,
+    loss_norm=rl.loss_norm or None,
+    kl_coef=rl.kl_coef if rl.kl_in == 'loss' else 0.0,
+    kl_estimator=rl.kl_estimator,
+    kl_input_clamp=rl.kl_input_clamp or None,
+    kl_output_clamp=rl.kl_output_clamp or None,
+    entropy_coef=rl.entropy_coef,
+    temperature=rl.temperature,
+    chunk_size=rl.chunk_size,
+    sapo_tau_pos=rl.sapo_tau_pos,
+    sapo_tau_neg=rl.sapo_tau_neg,
+    vespo_k_pos=rl.vespo_k_pos,
+    vespo_lambda_pos=rl.vespo_lambda_pos,
+    vespo_k_neg=rl.vespo_k_neg,
+    vespo_lambda_neg=rl.vespo_lambda_neg,
+    off_policy_mask_threshold=rl.off_policy_mask_threshold or None,
+  )
+
+
+def advantage_config(rl):
+  """The AdvantageConfig of a config's `rl` section."""
+  return AdvantageConfig(
+    estimator=rl.advantage,
+    scale=rl.adv_scale,
+    std=rl.adv_std,
+    eps=rl.adv_eps,
+    gamma=rl.gamma,
+    kl_coef_in_reward=rl.kl_coef if rl.kl_in == 'reward' else 0.0,
+  )

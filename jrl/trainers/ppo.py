@@ -12,37 +12,37 @@ via `ppo.critic_path`). Per rollout:
     β     ← adaptive controller (Ziegler et al. 2019) from the measured KL
 
 `train_step(state, batch)` updates policy and critic together; both are
-pure and jitted once by the controller.
+pure and jitted once in `build`. Rollouts come from the same rollout worker
+and topology as GRPO's (`jrl.trainers.online`).
 """
 
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jrl import losses as L
 from jrl import models
 from jrl.models import hf as hf_lib
-from jrl.trainers import common, loop, policy
+from jrl.trainers import common, controller, grpo, online, policy, rollout, setup, sft
 from jrl.trainers.optim import make_optimizer
 
 
 class PPOBatch(NamedTuple):
-  tokens: jax.Array  # [B, L] int32
-  mask: jax.Array  # [B, L] bool
-  loss_mask: jax.Array  # [B, L] bool response tokens
-  old_logp: jax.Array  # [B, L] float32
-  ref_logp: jax.Array  # [B, L] float32 (zeros when the KL is in the reward)
-  advantages: jax.Array  # [B, L] float32 (whitened GAE)
-  returns: jax.Array  # [B, L] float32 value targets
-  old_values: jax.Array  # [B, L] float32 critic values at rollout time
+  tokens: jax.Array  # [B, T] int32
+  mask: jax.Array  # [B, T] bool
+  loss_mask: jax.Array  # [B, T] bool response tokens
+  old_logp: jax.Array  # [B, T] float32
+  ref_logp: jax.Array  # [B, T] float32 (zeros when the KL is in the reward)
+  advantages: jax.Array  # [B, T] float32 (whitened GAE)
+  returns: jax.Array  # [B, T] float32 value targets
+  old_values: jax.Array  # [B, T] float32 critic values at rollout time
 
 
 def critic_values(graphdef, params, tokens, mask):
-  """[B, L] float32: V_t is the critic's value of the prefix before token t
+  """[B, T] float32: V_t is the critic's value of the prefix before token t
   (its scalar head at position t − 1); 0 at t = 0."""
   v = models.values(graphdef, params, tokens, mask)
   return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
@@ -96,107 +96,127 @@ def train_step(
   return state._replace(extra={**state.extra, 'critic': critic}), metrics
 
 
-def critic_from_policy(config, policy_params, key, mesh):
-  """(graphdef, params) of a critic: a copy of the policy's backbone plus a
-  fresh scalar head, laid out on `mesh`."""
-  graphdef, fresh = models.create_sharded(config, key, mesh, lm_head=False, scalar_head=True)
-  pure = nnx.to_pure_dict(fresh)
-  source = nnx.to_pure_dict(policy_params)
-  for name in pure:
-    if name != 'score':
-      pure[name] = jax.tree.map(jnp.copy, source[name])  # own buffers: states are donated
-  nnx.replace_by_pure_dict(fresh, pure)
-  return graphdef, fresh
+def check(config):
+  ppo = config.ppo
+  if not 0.0 <= ppo.gamma <= 1.0 or not 0.0 <= ppo.lam <= 1.0:
+    raise ValueError('`ppo.gamma` and `ppo.lam` must be in [0, 1].')
+  if config.rl.kl_in not in ('loss', 'reward'):
+    raise ValueError(f"`rl.kl_in` must be 'loss' or 'reward', got {config.rl.kl_in!r}.")
 
 
-class PPOTrainer(loop.Trainer):
-  """The controller for PPO: the GRPO controller's rollouts, plus a critic."""
-
-  def _setup_algorithm(self):
-    config = self.config
-    ppo = config.ppo
-    if not 0.0 <= ppo.gamma <= 1.0 or not 0.0 <= ppo.lam <= 1.0:
-      raise ValueError('`ppo.gamma` and `ppo.lam` must be in [0, 1].')
-    if config.rl.kl_in not in ('loss', 'reward'):
-      raise ValueError(f"`rl.kl_in` must be 'loss' or 'reward', got {config.rl.kl_in!r}.")
-    critic_optim = config.optim.copy_and_resolve_references()
-    with critic_optim.unlocked():
-      critic_optim.lr = ppo.critic_lr
-    self.critic_tx, self.critic_schedule = make_optimizer(critic_optim)
-    self._critic_key = jax.random.PRNGKey(loop._seed(config.seed, 'critic'))
-    # The adaptive controller drives the KL penalty in the reward (as in veRL);
-    # a KL term in the loss keeps the fixed `rl.kl_coef` it was compiled with.
-    adaptive = ppo.adaptive_kl and config.rl.kl_in == 'reward'
-    self.kl_ctl = (
-      L.adaptive_kl_controller(config.rl.kl_coef, ppo.kl_target, ppo.kl_horizon)
-      if adaptive
-      else L.fixed_kl_controller(config.rl.kl_coef)
+def make_critic(config, res, policy_params, key):
+  """(graphdef, params) of the critic: `ppo.critic_path` (a reward model's
+  export) if set, else the policy's backbone with a fresh scalar head."""
+  if config.ppo.critic_path:
+    ck = hf_lib.load(
+      config.ppo.critic_path, mesh=res.mesh, lm_head=False, scalar_head=True, head_key=key
     )
+    return ck.graphdef, ck.params
+  return setup.critic_from_policy(res.model.config, policy_params, key, res.mesh)
 
-  def _init_extra(self, params):
-    extra = super()._init_extra(params)
-    ppo = self.config.ppo
-    if ppo.critic_path:
-      ck = hf_lib.load(
-        ppo.critic_path, mesh=self.mesh, lm_head=False, scalar_head=True, head_key=self._critic_key
-      )
-      self.critic_graphdef, critic_params = ck.graphdef, ck.params
-    else:
-      self.critic_graphdef, critic_params = critic_from_policy(
-        self.model_config, params, self._critic_key, self.mesh
-      )
-    extra['critic'] = common.init_state(critic_params, self.critic_tx)
-    extra['kl_ctl'] = self.kl_ctl.init()
-    return extra
 
-  def __init__(self, config):
-    super().__init__(config)
-    self._ppo_step = jax.jit(
-      functools.partial(
-        train_step,
-        graphdef=self.graphdef,
-        critic_graphdef=self.critic_graphdef,
-        tx=self.tx,
-        schedule=self.schedule,
-        critic_tx=self.critic_tx,
-        critic_schedule=self.critic_schedule,
-        cfg=self.loss_cfg,
-        value_clip=config.ppo.value_clip,
-      ),
-      donate_argnums=(0,),
-      out_shardings=self.step_shardings,
-    )
-    self._values = jax.jit(functools.partial(critic_values, self.critic_graphdef))
-    self._gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
+class Steps(NamedTuple):
+  """The jitted functions of a PPO run."""
 
-  def rl_iteration(self):
-    rl = self.config.rl
+  ppo: Any  # train_step
+  logprobs: Any  # (params, tokens, mask) -> logp [B, T]
+  values: Any  # (critic params, tokens, mask) -> [B, T]
+  gae: Any  # (token rewards, values, mask) -> (advantages, returns), each [B, T]
+
+
+def make_steps(config, res, critic_graphdef, optimizers, shardings):
+  (tx, schedule), (critic_tx, critic_schedule) = optimizers
+  ppo_step = jax.jit(
+    functools.partial(
+      train_step,
+      graphdef=res.model.graphdef,
+      critic_graphdef=critic_graphdef,
+      tx=tx,
+      schedule=schedule,
+      critic_tx=critic_tx,
+      critic_schedule=critic_schedule,
+      cfg=policy.loss_config(config.rl),
+      value_clip=config.ppo.value_clip,
+    ),
+    donate_argnums=(0,),
+    out_shardings=shardings,
+  )
+  values = jax.jit(functools.partial(critic_values, critic_graphdef))
+  gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
+  return Steps(ppo_step, grpo.logprobs_fn(config, res.model.graphdef), values, gae)
+
+
+def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):
+  """The job of a PPO run (`make_worker`, `sft_batch`: as `grpo.build`)."""
+  rl, ppo = config.rl, config.ppo
+  res, rollout_mesh, rows = online.start(config)
+  check(config)
+  tx, schedule = setup.optimizer(config)
+  critic_optim = config.optim.copy_and_resolve_references()
+  with critic_optim.unlocked():
+    critic_optim.lr = ppo.critic_lr
+  critic_tx, critic_schedule = make_optimizer(critic_optim)
+  critic_key = jax.random.PRNGKey(setup.seed(config.seed, 'critic'))
+  # The adaptive controller drives the KL penalty in the reward (as in veRL);
+  # a KL term in the loss keeps the fixed `rl.kl_coef` it was compiled with.
+  in_reward = rl.kl_in == 'reward'
+  if ppo.adaptive_kl and in_reward:
+    kl_ctl = L.adaptive_kl_controller(rl.kl_coef, ppo.kl_target, ppo.kl_horizon)
+  else:
+    kl_ctl = L.fixed_kl_controller(rl.kl_coef)
+  uses_ref = rl.kl_coef > 0
+  critic_graphdefs = []
+
+  def new_state(params, tx):
+    """Policy state with the reference, a critic built from `params` and the
+    KL controller (at the start, and again when RL begins)."""
+    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
+    critic_graphdef, critic_params = make_critic(config, res, params, critic_key)
+    critic_graphdefs.append(critic_graphdef)
+    extra['critic'] = common.init_state(critic_params, critic_tx)
+    extra['kl_ctl'] = kl_ctl.init()
+    return setup.new_state(params, tx, res.mesh, extra)
+
+  state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
+  warmup = sft.warmup(res, state, sft_batch)
+  shardings = setup.step_shardings(state, res.mesh)
+  optimizers = ((tx, schedule), (critic_tx, critic_schedule))
+  steps = make_steps(config, res, critic_graphdefs[0], optimizers, shardings)
+  worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
+  shaper = online.RewardShaper(config.reward)
+
+  def rl_iteration(state, it):
     t_step = time.perf_counter()
-    ro = self.collect_rollout()
+    ro = topo.next_rollout(state.params, it)
+    ref_params = state.extra['ref_params'] if uses_ref else None
+    ro = online.place_rollout(ro, res, shaper, steps.logprobs, ref_params, rl.minibatch_size)
     m = dict(ro.metrics)
     mask = ro.batch.loss_mask
-    beta = float(self.state.extra['kl_ctl'].coef)  # read before the state is donated
+    beta = float(state.extra['kl_ctl'].coef)  # read before the state is donated
     kl = jnp.zeros_like(ro.old_logp)
-    if self.uses_ref:
+    if uses_ref:
       kl = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator=rl.kl_estimator, mask=mask)
-    in_reward = rl.kl_in == 'reward'
     token_rewards = L.token_level_rewards(
       jnp.asarray(ro.rewards), mask, kl=kl, kl_coef=beta if in_reward else 0.0
     )
-    critic = self.state.extra['critic']
-    old_values = self._minibatched(self._values, critic.params, ro.batch)
-    adv, returns = self._gae(token_rewards, old_values, mask)
+    critic = state.extra['critic']
+    old_values = common.minibatched(
+      steps.values, critic.params, ro.batch, rl.minibatch_size, res.batch_sharding
+    )
+    adv, returns = steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
     full = PPOBatch(
       ro.batch.tokens, ro.batch.mask, mask, ro.old_logp, ro.ref_logp, adv, returns, old_values
     )
-    um, t_update = self.run_minibatches(self._ppo_step, full)
+    state, um, t_update = online.run_minibatches(
+      steps.ppo, state, full, config, it, res.batch_sharding
+    )
     m.update(um)
-    m.update(loop._advantage_metrics(adv, mask))
+    m.update(online.advantage_metrics(adv, mask))
     measured_kl = float(L.token_mean(kl, mask))
     n = rl.prompts_per_step * rl.group_size
-    new_ctl = self.kl_ctl.update(self.state.extra['kl_ctl'], measured_kl, n)
-    self.state = self.state._replace(extra={**self.state.extra, 'kl_ctl': new_ctl})
+    new_ctl = kl_ctl.update(state.extra['kl_ctl'], measured_kl, n)
+    state = state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
     m['actor/kl_coef'] = float(beta)
     m['rollout/kl'] = measured_kl
     m['critic/values_mean'] = float(L.token_mean(old_values, mask))
@@ -205,12 +225,24 @@ class PPOTrainer(loop.Trainer):
     m['time/step'] = time.perf_counter() - t_step
     m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
     m['phase'] = 1.0
-    return m
+    return state, m
 
-  def _minibatched(self, fn, params, batch):
-    mb = self.config.rl.minibatch_size
-    out = [
-      fn(params, batch.tokens[k : k + mb], batch.mask[k : k + mb])
-      for k in range(0, batch.tokens.shape[0], mb)
-    ]
-    return jax.device_put(jnp.concatenate(out), self.batch_sharding)
+  def iterate(state, it):
+    return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
+
+  return controller.Job(
+    res,
+    state,
+    iterate,
+    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params)),
+    start_rl=lambda state: new_state(state.params, tx),
+    topology=topo,
+    shaper=shaper,
+    reward_errors=lambda: worker.last_errors,
+    close=worker.close,
+    steps=(warmup, steps),
+  )
+
+
+def run(config):
+  return controller.train(build(config))

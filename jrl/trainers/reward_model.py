@@ -16,11 +16,14 @@ problems), so accuracy can be read against the truth. Held-out pairwise
 accuracy and margin are measured every `eval.every` iterations. The
 export (`export_hf`) is a Hugging Face `*ForSequenceClassification`
 directory that `reward.model_path` and `ppo.critic_path` read.
+
+An offline algorithm: `build` makes no sampler, no reward workers and no
+topology.
 """
 
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +32,12 @@ import numpy as np
 from jrl import distributed, models
 from jrl import losses as L
 from jrl.data import PromptStream, read_preference_jsonl
-from jrl.trainers import common, loop
-from jrl.trainers.dpo import corrupt_answer
-from jrl.trainers.ppo import critic_from_policy
+from jrl.trainers import common, controller, setup, tasks
 
 
 class PairBatch(NamedTuple):
-  tokens: jax.Array  # [2P, L]: rows 0..P-1 chosen, P..2P-1 rejected
-  mask: jax.Array  # [2P, L] bool
+  tokens: jax.Array  # [2P, T]: rows 0..P-1 chosen, P..2P-1 rejected
+  mask: jax.Array  # [2P, T] bool
   margin: jax.Array  # [P] float32 required margin per pair
 
 
@@ -66,141 +67,144 @@ def train_step(state, batch, *, graphdef, tx, schedule, center_coef):
   return state, metrics
 
 
-def arith_pairs(examples, seed):
-  """Correct answer chosen over a near miss, for each {'prompt', 'answer'} example."""
-  rng = np.random.default_rng(seed)
-  return [
-    {'prompt': ex['prompt'], 'chosen': ex['answer'], 'rejected': corrupt_answer(ex['answer'], rng)}
-    for ex in examples
-  ]
-
-
-class RewardModelTrainer(loop.Trainer):
-  """The controller for reward-model training (`algorithm='reward_model'`)."""
-
-  def _setup_algorithm(self):
-    config, rm = self.config, self.config.rm
-    if config.sft.steps:
-      raise ValueError('`sft.steps` must be 0 for reward-model training (train the SFT first).')
-    if rm.center_coef < 0:
-      raise ValueError(f'`rm.center_coef` must be >= 0, got {rm.center_coef}.')
-    if rm.margin < 0:
-      raise ValueError(f'`rm.margin` must be >= 0, got {rm.margin}.')
-    if rm.pairs_per_step < 1:
-      raise ValueError(f'`rm.pairs_per_step` must be >= 1, got {rm.pairs_per_step}.')
-    shards = self.mesh.shape['data'] * self.mesh.shape['fsdp']
-    if (2 * rm.pairs_per_step) % shards:
-      raise ValueError(
-        f'`rm.pairs_per_step` x 2 must be divisible by the mesh batch axes ({shards}).'
-      )
-    if rm.train_path:
-      # Chosen and rejected are scored without an eos token.
-      check = functools.partial(self.example_checker.pair, eos=False)
-      self.pairs = PromptStream(
-        read_preference_jsonl(rm.train_path, check=check), seed=loop._seed(config.seed, 'rm')
-      )
-      self.streams['rm_stream'] = self.pairs
-      self.held_out_pairs = read_preference_jsonl(rm.eval_path, check=check) if rm.eval_path else []
-    elif config.task.kind == 'arith':
-      self.pairs = None  # made from the task stream
-      self.held_out_pairs = arith_pairs(self.task.held_out, loop._seed(config.seed, 'rm_eval'))
-    else:
-      raise ValueError('`rm.train_path` is required unless `task.kind` is "arith".')
-    self._head_key = jax.random.PRNGKey(loop._seed(config.seed, 'rm_head'))
-    self.rm_graphdef = None
-
-  def _needs_reference(self):
-    return False
-
-  def _new_state(self, params, tx):
-    """The reward model (policy backbone + fresh scalar head) is what trains."""
-    if 'score' in params:  # already a reward model (restarting from a checkpoint state)
-      rm_params = params
-    else:
-      self.rm_graphdef, rm_params = critic_from_policy(
-        self.model_config, params, self._head_key, self.mesh
-      )
-    state = common.init_state(rm_params, tx)
-    return common.place_on_mesh(state, self.mesh)
-
-  def __init__(self, config):
-    super().__init__(config)
-    self._rm_step = jax.jit(
-      functools.partial(
-        train_step,
-        graphdef=self.rm_graphdef,
-        tx=self.tx,
-        schedule=self.schedule,
-        center_coef=config.rm.center_coef,
-      ),
-      donate_argnums=(0,),
-      out_shardings=self.step_shardings,
+def check(config, mesh):
+  rm = config.rm
+  if config.sft.steps:
+    raise ValueError('`sft.steps` must be 0 for reward-model training (train the SFT first).')
+  if rm.center_coef < 0:
+    raise ValueError(f'`rm.center_coef` must be >= 0, got {rm.center_coef}.')
+  if rm.margin < 0:
+    raise ValueError(f'`rm.margin` must be >= 0, got {rm.margin}.')
+  if rm.pairs_per_step < 1:
+    raise ValueError(f'`rm.pairs_per_step` must be >= 1, got {rm.pairs_per_step}.')
+  shards = setup.batch_shards(mesh)
+  if (2 * rm.pairs_per_step) % shards:
+    raise ValueError(
+      f'`rm.pairs_per_step` x 2 must be divisible by the mesh batch axes ({shards}).'
     )
-    self._scores = jax.jit(functools.partial(models.sequence_scores, self.rm_graphdef))
+  if not rm.train_path and config.task.kind != 'arith':
+    raise ValueError('`rm.train_path` is required unless `task.kind` is "arith".')
 
-  def _next_pairs(self, n):
-    if self.pairs is not None:
-      return self.pairs.next(n)
-    examples = self.rl_stream.next(n)
-    return arith_pairs(examples, loop._seed(self.config.seed, self.iteration, 'corrupt'))
 
-  def _pack(self, pairs):
-    prompts = [self.encoder.prompt_ids(p['prompt']) for p in pairs]
-    chosen = [self.tokenizer.encode(str(p['chosen'])) for p in pairs]
-    rejected = [self.tokenizer.encode(str(p['rejected'])) for p in pairs]
-    return common.pack_sequences(
-      prompts + prompts, chosen + rejected, self.seq_len, self.tokenizer.pad_id
+def pair_sources(config, res):
+  """(`next_pairs(n, iteration)`, held-out pairs): `rm.train_path` and
+  `rm.eval_path`, or arithmetic pairs from the task's streams."""
+  rm = config.rm
+  if rm.train_path:
+    # Chosen and rejected are scored without an eos token.
+    check_pair = functools.partial(res.checker.pair, eos=False)
+    pairs = PromptStream(
+      read_preference_jsonl(rm.train_path, check=check_pair), seed=setup.seed(config.seed, 'rm')
     )
+    res.streams['rm_stream'] = pairs
+    held_out = read_preference_jsonl(rm.eval_path, check=check_pair) if rm.eval_path else []
+    return lambda n, iteration: pairs.next(n), held_out
 
-  def rl_iteration(self):
+  def task_pairs(n, iteration):
+    examples = res.streams['rl_stream'].next(n)
+    return tasks.arith_pairs(examples, setup.seed(config.seed, iteration, 'corrupt'))
+
+  return task_pairs, tasks.arith_pairs(res.task.held_out, setup.seed(config.seed, 'rm_eval'))
+
+
+def pack_pairs(res, pairs):
+  """[2P, T] rows: prompt + chosen for P pairs, then prompt + rejected."""
+  prompts = [res.encoder.prompt_ids(p['prompt']) for p in pairs]
+  chosen = [res.tokenizer.encode(str(p['chosen'])) for p in pairs]
+  rejected = [res.tokenizer.encode(str(p['rejected'])) for p in pairs]
+  return common.pack_sequences(
+    prompts + prompts, chosen + rejected, res.seq_len, res.tokenizer.pad_id
+  )
+
+
+def score_pairs(res, scores, params, pairs, rows):
+  """(chosen scores [P], rejected scores [P]) of preference pairs, scored in
+  batches of `rows` rows (`scores(params, tokens, mask) -> [rows]`)."""
+  shards = setup.batch_shards(res.mesh)
+  rows = max(shards, rows - rows % shards)
+  packed = pack_pairs(res, pairs)
+  tokens, mask = np.asarray(packed.tokens), np.asarray(packed.mask)
+  n = tokens.shape[0]
+  pad = -n % rows
+  tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), np.int32)])
+  mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
+  mask[n:, 0] = True  # padding rows score one token; dropped below
+  out = []
+  for start in range(0, tokens.shape[0], rows):
+    sl = slice(start, start + rows)
+    placed = common.place(common.SequenceBatch(tokens[sl], mask[sl], mask[sl]), res.batch_sharding)
+    out.append(distributed.fetch(scores(params, placed.tokens, placed.mask)))
+  all_scores = np.concatenate(out)[:n]
+  p = len(pairs)
+  return all_scores[:p], all_scores[p:]
+
+
+class Steps(NamedTuple):
+  rm: Any  # train_step
+  scores: Any  # (params, tokens, mask) -> [B] sequence scores
+
+
+def build(config):
+  """The job of reward-model training: `rl.steps` updates on
+  `rm.pairs_per_step` pairs each, held-out pairwise accuracy every `eval.every`."""
+  rm = config.rm
+  res, _ = setup.start(config)
+  check(config, res.mesh)
+  next_pairs, held_out = pair_sources(config, res)
+  tx, schedule = setup.optimizer(config)
+  # The reward model (policy backbone + fresh scalar head) is what trains.
+  head_key = jax.random.PRNGKey(setup.seed(config.seed, 'rm_head'))
+  rm_graphdef, rm_params = setup.critic_from_policy(
+    res.model.config, res.params, head_key, res.mesh
+  )
+  state = setup.new_state(rm_params, tx, res.mesh)
+  rm_step = jax.jit(
+    functools.partial(
+      train_step, graphdef=rm_graphdef, tx=tx, schedule=schedule, center_coef=rm.center_coef
+    ),
+    donate_argnums=(0,),
+    out_shardings=setup.step_shardings(state, res.mesh),
+  )
+  steps = Steps(rm_step, jax.jit(functools.partial(models.sequence_scores, rm_graphdef)))
+  replicated = setup.step_shardings(state, res.mesh)[1]
+
+  def iterate(state, it):
     t_step = time.perf_counter()
-    rm = self.config.rm
-    pairs = self._next_pairs(rm.pairs_per_step)
-    batch = self._pack(pairs)
+    pairs = next_pairs(rm.pairs_per_step, it)
+    batch = pack_pairs(res, pairs)
     margin = np.asarray(
       [float(p.get('margin', rm.margin)) for p in pairs], np.float32
     )  # a per-row "margin" field overrides the configured one
-    rows = self._place(common.SequenceBatch(batch.tokens, batch.mask, batch.mask))
-    placed = PairBatch(rows.tokens, rows.mask, jax.device_put(margin, self.replicated))
+    rows = common.place(
+      common.SequenceBatch(batch.tokens, batch.mask, batch.mask), res.batch_sharding
+    )
+    placed = PairBatch(rows.tokens, rows.mask, jax.device_put(margin, replicated))
     start = time.perf_counter()
-    with self.tracer.span('update', iteration=self.iteration):
-      self.state, m = self._rm_step(self.state, placed)
+    with res.tracer.span('update', iteration=it):
+      state, m = steps.rm(state, placed)
       m = {k: float(v) for k, v in jax.device_get(m).items()}
     m['time/update'] = time.perf_counter() - start
     m['time/step'] = time.perf_counter() - t_step
     m['phase'] = 1.0
     m['actor/nonfinite'] = m['rm/nonfinite']
-    return m
+    return state, m
 
-  def score_pairs(self, pairs, batch_rows=None):
-    """(chosen scores [P], rejected scores [P]) of preference pairs under the current model."""
-    shards = self.mesh.shape['data'] * self.mesh.shape['fsdp']
-    rows = batch_rows or 2 * self.config.rm.pairs_per_step
-    rows = max(shards, rows - rows % shards)
-    packed = self._pack(pairs)
-    tokens, mask = np.asarray(packed.tokens), np.asarray(packed.mask)
-    n = tokens.shape[0]
-    pad = -n % rows
-    tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), np.int32)])
-    mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
-    mask[n:, 0] = True  # padding rows score one token; dropped below
-    out = []
-    for start in range(0, tokens.shape[0], rows):
-      sl = slice(start, start + rows)
-      placed = self._place(common.SequenceBatch(tokens[sl], mask[sl], mask[sl]))
-      out.append(distributed.fetch(self._scores(self.state.params, placed.tokens, placed.mask)))
-    scores = np.concatenate(out)[:n]
-    p = len(pairs)
-    return scores[:p], scores[p:]
-
-  def evaluate(self):
+  def evaluate(state):
     """Held-out pairwise accuracy and mean margin."""
-    if not self.held_out_pairs:
+    if not held_out:
       return {}
-    with self.tracer.span('eval'):
-      chosen, rejected = self.score_pairs(self.held_out_pairs)
+    with res.tracer.span('eval'):
+      chosen, rejected = score_pairs(
+        res, steps.scores, state.params, held_out, 2 * rm.pairs_per_step
+      )
     return {
       'eval/pair_accuracy': float(np.mean(chosen > rejected)),
       'eval/margin': float(np.mean(chosen - rejected)),
       'eval/reward_mean': float(np.mean(np.concatenate([chosen, rejected]))),
     }
+
+  return controller.Job(res, state, iterate, evaluate, steps=steps)
+
+
+def run(config):
+  return controller.train(build(config))

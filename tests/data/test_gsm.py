@@ -27,10 +27,11 @@ import pytest
 import tokenizers
 
 from configs import grpo_arith
+from jrl import trainers
 from jrl.data import sources, word_problems
 from jrl.metrics import read_jsonl as read_metrics
 from jrl.models.tokenizer import CharTokenizer, HFTokenizer
-from jrl.trainers import checks, loop
+from jrl.trainers import checks, controller, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -216,7 +217,7 @@ def test_parquet_wrong_type_and_unreadable_file(tmp_path):
 
 def char_checker(max_prompt_len, seq_len=None):
   tok = CharTokenizer()
-  encoder = loop.Encoder(tok, False, False)
+  encoder = tasks.Encoder(tok, False, False)
   return checks.ExampleChecker(
     encoder.prompt_ids, tok.encode, max_prompt_len, seq_len or max_prompt_len + 8
   )
@@ -244,7 +245,7 @@ def test_filter_drops_long_prompts_and_counts_them(tmp_path, ext):
   train = write(tmp_path, f'train.{ext}', long_rows(12))
   held_out = write(tmp_path, f'eval.{ext}', long_rows(6))  # rows 1 and 4 are long
   check = char_checker(max_prompt_len=20)
-  task = loop.Task(task_config(train, held_out, long_prompts='filter'), 0, check.prompt)
+  task = tasks.Task(task_config(train, held_out, long_prompts='filter'), 0, check.prompt)
   assert [ex['answer'] for ex in task.train] == ['0', '2', '3', '5', '6', '8', '9', '11']
   assert [ex['answer'] for ex in task.held_out] == ['0', '2', '3', '5']
   assert task.filtered == {'train': 4, 'eval': 2}
@@ -260,7 +261,7 @@ def test_error_mode_refuses_the_first_long_prompt(tmp_path, ext):
   with pytest.raises(
     ValueError, match=re.escape(f'{where(train, 1)}: field `prompt` is 40 tokens')
   ):
-    loop.Task(task_config(train), 0, check.prompt)  # long_prompts='error', the default
+    tasks.Task(task_config(train), 0, check.prompt)  # long_prompts='error', the default
 
 
 def test_filter_still_refuses_bad_rows(tmp_path):
@@ -269,19 +270,19 @@ def test_filter_still_refuses_bad_rows(tmp_path):
   rows[5]['question'] = 'caf\u00e9?'  # outside the char tokenizer: not a length problem
   train = write(tmp_path, 'train.jsonl', rows)
   with pytest.raises(ValueError, match=re.escape(f"{train}:6: field `prompt`: character 'é'")):
-    loop.Task(task_config(train, long_prompts='filter'), 0, check.prompt)
+    tasks.Task(task_config(train, long_prompts='filter'), 0, check.prompt)
   rows = long_rows(12)
   rows[8] = {'question': 'q?'}
   train = write(tmp_path, 'missing.parquet', rows)
   with pytest.raises(ValueError, match=re.escape(f'{train}: row 8: missing field `answer`.')):
-    loop.Task(task_config(train, long_prompts='filter'), 0, check.prompt)
+    tasks.Task(task_config(train, long_prompts='filter'), 0, check.prompt)
 
 
 def test_filter_refuses_a_file_of_only_long_prompts(tmp_path):
   train = write(tmp_path, 'train.jsonl', long_rows(4, long=range(4)))
   check = char_checker(max_prompt_len=20)
   with pytest.raises(ValueError, match=re.escape(f'{train}: all 4 rows were dropped (the first: ')):
-    loop.Task(task_config(train, long_prompts='filter'), 0, check.prompt)
+    tasks.Task(task_config(train, long_prompts='filter'), 0, check.prompt)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +291,7 @@ def test_filter_refuses_a_file_of_only_long_prompts(tmp_path):
 def test_task_choices_name_the_field(tmp_path, field, value):
   train = write(tmp_path, 'train.jsonl', GSM_ROWS)
   with pytest.raises(ValueError, match=re.escape(f'`task.{field}` must be one of')):
-    loop.Task(task_config(train, **{field: value}), 0)
+    tasks.Task(task_config(train, **{field: value}), 0)
 
 
 def test_old_kind_jsonl_still_reads_prompt_rows(tmp_path):
@@ -298,7 +299,7 @@ def test_old_kind_jsonl_still_reads_prompt_rows(tmp_path):
   c = grpo_arith.get_config().task
   with c.unlocked():
     c.update(kind='jsonl', train_path=train)
-  assert loop.Task(c, 0).train == [{'prompt': '1+1=', 'answer': '2'}]
+  assert tasks.Task(c, 0).train == [{'prompt': '1+1=', 'answer': '2'}]
 
 
 # System prompt and template variables -----------------------------------------------
@@ -318,9 +319,9 @@ def template_tokenizer():
 
 def test_system_prompt_and_template_kwargs_reach_the_template():
   tok = template_tokenizer()
-  plain = loop.Encoder(tok, True, False)
+  plain = tasks.Encoder(tok, True, False)
   assert plain.prompt_text('2+2?') == '[user]2+2?[assistant]'
-  enc = loop.Encoder(
+  enc = tasks.Encoder(
     tok, True, False, system_prompt='Answer after ####.', template_kwargs={'enable_thinking': False}
   )
   assert enc.prompt_text('2+2?') == '[system]Answer after ####.[user]2+2?[no-think][assistant]'
@@ -328,26 +329,26 @@ def test_system_prompt_and_template_kwargs_reach_the_template():
   own = [{'role': 'system', 'content': 'Mine.'}, {'role': 'user', 'content': 'hi'}]
   assert enc.prompt_text(own) == '[system]Mine.[user]hi[no-think][assistant]'
   # The char tokenizer's template: "role: content" lines.
-  char = loop.Encoder(CharTokenizer(), True, False, system_prompt='Be brief.')
+  char = tasks.Encoder(CharTokenizer(), True, False, system_prompt='Be brief.')
   assert char.prompt_text('1+1=') == 'system: Be brief.\nuser: 1+1=\nassistant: '
 
 
 def test_system_prompt_needs_the_chat_template():
   with pytest.raises(ValueError, match=r'`task\.system_prompt` needs `task\.chat_template`'):
-    loop.Encoder(CharTokenizer(), False, False, system_prompt='Be brief.')
+    tasks.Encoder(CharTokenizer(), False, False, system_prompt='Be brief.')
 
 
 def test_system_prompt_counts_towards_the_prompt_length(tmp_path):
   # 'system: ' + 30 + '\n' + 'user: ' + 12 + '\n' + 'assistant: ' = 69 characters.
   tok = CharTokenizer()
-  encoder = loop.Encoder(tok, True, False, system_prompt='s' * 30)
+  encoder = tasks.Encoder(tok, True, False, system_prompt='s' * 30)
   train = write(tmp_path, 'train.jsonl', long_rows(6, long=()))
   config = task_config(train, long_prompts='filter')
   check = checks.ExampleChecker(encoder.prompt_ids, tok.encode, 69, 80)
-  assert len(loop.Task(config, 0, check.prompt).train) == 6
+  assert len(tasks.Task(config, 0, check.prompt).train) == 6
   check = checks.ExampleChecker(encoder.prompt_ids, tok.encode, 68, 80)
   with pytest.raises(ValueError, match='all 6 rows were dropped'):
-    loop.Task(config, 0, check.prompt)
+    tasks.Task(config, 0, check.prompt)
 
 
 # The generator ----------------------------------------------------------------------
@@ -535,12 +536,13 @@ def test_grpo_step_on_generated_gsm_jsonl(tmp_path):
   too_long = sum(length(r['prompt']) > 160 for r in rows)
   assert 0 < too_long < len(rows)  # the file exercises the filter
 
-  trainer = loop.Trainer(config)
-  trainer.run()
-  assert trainer.task.filtered['train'] == too_long
-  assert len(trainer.task.train) == len(rows) - too_long
-  assert all(length(ex['prompt']) <= 160 for ex in trainer.task.train)
-  assert [ex['answer'] for ex in trainer.task.held_out] == [
+  job = trainers.build(config)
+  controller.train(job)
+  task = job.res.task
+  assert task.filtered['train'] == too_long
+  assert len(task.train) == len(rows) - too_long
+  assert all(length(ex['prompt']) <= 160 for ex in task.train)
+  assert [ex['answer'] for ex in task.held_out] == [
     r['answer']
     for r in sources.read_prompts(str(data / 'eval.jsonl'), **GSM).rows
     if length(r['prompt']) <= 160

@@ -13,11 +13,12 @@ import pytest
 
 from configs import agent_arith
 from configs import common as config_common
+from jrl import trainers
 from jrl.envs import Step
 from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
-from jrl.trainers import agent, loop
-from tests.trainers.test_grpo_loop import set_fields
+from jrl.trainers import controller, episodes, ppo
+from tests.helpers import capture, set_fields
 
 SHRINK = {
   'model.width': 32,
@@ -45,12 +46,14 @@ def agent_config(workdir, overrides=None):
 
 
 class Recorder:
-  """Wraps AgentTrainer to keep the environment's answers and the trained batches."""
+  """Wraps the environment and the episode worker to keep the environment's
+  answers and the batches the trainer trains on."""
 
   def __init__(self, monkeypatch):
     self.env_answers = []  # (prompt tokens, model turn, environment tokens)
     self.batches = []
-    original_make, original_ref = agent.ENVIRONMENTS['arith_tool'][1], loop.Trainer._with_reference
+    original_make = episodes.ENVIRONMENTS['arith_tool'][1]
+    original_sample = episodes.EpisodeWorker.sample
     recorder = self
 
     def make_env(tokenizer):
@@ -65,13 +68,14 @@ class Recorder:
       env.step = recording_step
       return env
 
-    def with_reference(trainer, sampled):
-      recorder.batches.append(sampled)
-      return original_ref(trainer, sampled)
+    def sample(worker, *args, **kwargs):
+      rollout = original_sample(worker, *args, **kwargs)
+      recorder.batches.append(rollout)
+      return rollout
 
-    task = agent.ENVIRONMENTS['arith_tool'][0]
-    monkeypatch.setitem(agent.ENVIRONMENTS, 'arith_tool', (task, make_env))
-    monkeypatch.setattr(loop.Trainer, '_with_reference', with_reference)
+    task = episodes.ENVIRONMENTS['arith_tool'][0]
+    monkeypatch.setitem(episodes.ENVIRONMENTS, 'arith_tool', (task, make_env))
+    monkeypatch.setattr(episodes.EpisodeWorker, 'sample', sample)
 
 
 @pytest.fixture(scope='module')
@@ -79,17 +83,17 @@ def agent_run(tmp_path_factory):
   mp = pytest.MonkeyPatch()
   recorder = Recorder(mp)
   workdir = tmp_path_factory.mktemp('agent')
-  trainer = loop.make_trainer(agent_config(workdir, {'agent.sft_tool_frac': 0.9}))
-  trainer.run()
+  job = trainers.build(agent_config(workdir, {'agent.sft_tool_frac': 0.9}))
+  controller.train(job)
   mp.undo()
-  return trainer, recorder, read_jsonl(f'{workdir}/metrics.jsonl')
+  return job, recorder, read_jsonl(f'{workdir}/metrics.jsonl')
 
 
 def test_trainer_sees_exactly_the_sampled_and_environment_tokens(agent_run):
-  trainer, recorder, _ = agent_run
+  job, recorder, _ = agent_run
   assert recorder.env_answers, 'no tool was called: the test would be vacuous'
   answers = {tuple(turn): env for turn, env in recorder.env_answers}
-  tok = trainer.tokenizer
+  tok = job.res.tokenizer
   checked = 0
   for sampled in recorder.batches:
     tokens = np.asarray(sampled.batch.tokens)
@@ -164,12 +168,12 @@ class Flaky:
 def test_environments_that_raise_hang_or_return_garbage_end_only_their_trajectory(
   tmp_path, monkeypatch
 ):
-  task = agent.ENVIRONMENTS['arith_tool'][0]
-  monkeypatch.setitem(agent.ENVIRONMENTS, 'arith_tool', (task, Flaky))
+  task = episodes.ENVIRONMENTS['arith_tool'][0]
+  monkeypatch.setitem(episodes.ENVIRONMENTS, 'arith_tool', (task, Flaky))
   config = agent_config(
     tmp_path, {'agent.sft_tool_frac': 1.0, 'agent.step_timeout_s': 0.2, 'rl.steps': 2}
   )
-  loop.run(config)
+  trainers.run(config)
   rl = [r for r in read_jsonl(f'{tmp_path}/metrics.jsonl') if r.get('phase') == 1.0]
   assert len(rl) == 2  # the run finished
   total = {k: sum(r[k] for r in rl) for k in rl[0] if k.startswith('env/finish/')}
@@ -184,17 +188,18 @@ def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
   config.ppo = config_common.ppo_section()
   config.agent.trainer = 'ppo'
   config.lock()
-  trainer = loop.make_trainer(config)
   seen = []
-  gae = trainer._gae
 
-  def recording_gae(rewards, values, mask):
-    adv, ret = gae(rewards, values, mask)
-    seen.append((np.asarray(mask), np.asarray(adv)))
-    return adv, ret
+  def record_gae(steps):
+    def recording_gae(rewards, values, mask):
+      adv, ret = steps.gae(rewards, values, mask)
+      seen.append((np.asarray(mask), np.asarray(adv)))
+      return adv, ret
 
-  trainer._gae = recording_gae
-  trainer.run()
+    return steps._replace(gae=recording_gae)
+
+  capture(monkeypatch, ppo, 'make_steps', record_gae)
+  state = trainers.run(config)
   ((mask, adv),) = seen
   # Rows with an environment turn have masked positions between model tokens;
   # advantages are zero there and flow to the model tokens before them.
@@ -206,7 +211,7 @@ def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
       gaps = np.setdiff1d(np.arange(idx[0], idx[-1] + 1), idx)
       assert np.all(a[gaps] == 0.0)
   assert inner > 0, 'no trajectory had an environment turn'
-  assert jax.tree.leaves(trainer.state.params)
+  assert jax.tree.leaves(state.params)
 
 
 def test_bad_agent_config_names_the_field(tmp_path):
@@ -217,4 +222,4 @@ def test_bad_agent_config_names_the_field(tmp_path):
     ({'agent.trainer': 'dqn'}, 'agent.trainer'),
   ]:
     with pytest.raises(ValueError, match=field.replace('.', r'\.')):
-      loop.make_trainer(agent_config(tmp_path, overrides))
+      trainers.build(agent_config(tmp_path, overrides))

@@ -6,7 +6,7 @@ SFT only, GRPO on a Hugging Face checkpoint (`configs/grpo_qwen.py`), and
 
 Every run shrinks a real config file (STYLE.md point 15) to a 1-layer
 width-32 model, 4 prompts x 4 samples per RL step in minibatches of 8 rows
-(one per fake CPU device), and runs it in process with `loop.run`. A random
+(one per fake CPU device), and runs it in process with `trainers.run`. A random
 model scores 0 on the task's exact-match reward, which would make every
 advantage and gradient zero; the GRPO-family and PPO runs therefore use a
 registered test reward, the share of digits in the completion, which is
@@ -37,12 +37,13 @@ from tokenizers import models as tokenizer_models
 
 from configs import dpo_arith, grpo_arith, grpo_qwen, ppo_arith, sft_arith
 from jrl import checkpoint as ckpt_lib
-from jrl import models, rewards
+from jrl import models, rewards, trainers
 from jrl.data import ArithmeticTask
 from jrl.metrics import read_jsonl
 from jrl.models import hf as hf_lib
-from jrl.trainers import loop
-from jrl.trainers.dpo import corrupt_answer
+from jrl.trainers import controller, dpo
+from jrl.trainers.tasks import corrupt_answer
+from tests.helpers import capture
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -238,7 +239,7 @@ VARIANTS = {
 def test_grpo_family_variant_runs_with_finite_metrics(tmp_path, variant):
   overrides = VARIANTS[variant]
   config = shrink(grpo_arith, tmp_path, {'reward.functions': (DIGITS,), **overrides})
-  state = loop.run(config)
+  state = trainers.run(config)
   rl, b = config.rl, config.rl.prompts_per_step
 
   recs = records(tmp_path)
@@ -290,7 +291,7 @@ PPO = {'reward.functions': (DIGITS,), 'log.every': 1}
 def ppo_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('ppo')
   config = shrink(ppo_arith, workdir, PPO)
-  state = loop.run(config)
+  state = trainers.run(config)
   return config, workdir, state
 
 
@@ -352,9 +353,9 @@ def test_ppo_resumes_to_the_same_result(ppo_run, tmp_path, capsys):
   ends where the uninterrupted 3-iteration run ended."""
   config, straight_dir, straight = ppo_run
   sft_steps, steps = config.sft.steps, config.rl.steps
-  loop.run(shrink(ppo_arith, tmp_path, {**PPO, 'rl.steps': steps - 1}))
+  trainers.run(shrink(ppo_arith, tmp_path, {**PPO, 'rl.steps': steps - 1}))
   capsys.readouterr()
-  resumed = loop.run(shrink(ppo_arith, tmp_path, PPO))
+  resumed = trainers.run(shrink(ppo_arith, tmp_path, PPO))
   out = capsys.readouterr().out
   ckdir = os.path.join(str(tmp_path), 'checkpoints')
   done = sft_steps + steps - 1
@@ -369,7 +370,7 @@ def test_ppo_with_kl_in_the_loss(tmp_path):
   config = shrink(
     ppo_arith, tmp_path, {**PPO, 'rl.kl_in': 'loss', 'rl.kl_estimator': 'k3', 'rl.steps': 2}
   )
-  state = loop.run(config)
+  state = trainers.run(config)
   recs = records(tmp_path)
   assert_finite(recs)
   rl_recs = rl_records(tmp_path)
@@ -420,7 +421,7 @@ def test_dpo_learns_the_preferences_of_a_small_pair_set(tmp_path, pairs_path):
       'log.every': 10,
     },
   )
-  loop.run(config)
+  trainers.run(config)
   recs = rl_records(tmp_path)
   assert len(recs) == 30
   assert_finite(recs)
@@ -445,7 +446,7 @@ def test_rl_learns_an_easy_reward(tmp_path, config_module, lr):
   }
   if config_module is ppo_arith:
     overrides['ppo.critic_lr'] = lr
-  loop.run(shrink(config_module, tmp_path, overrides))
+  trainers.run(shrink(config_module, tmp_path, overrides))
   recs = rl_records(tmp_path)
   assert len(recs) == 25
   reward = [r['reward/mean'] for r in recs]
@@ -460,7 +461,7 @@ REFERENCE_FREE = ('simpo', 'orpo')
 
 
 @pytest.mark.parametrize('loss', DPO_LOSSES)
-def test_dpo_family_from_jsonl(tmp_path, pairs_path, loss):
+def test_dpo_family_from_jsonl(tmp_path, pairs_path, loss, monkeypatch):
   config = shrink(
     dpo_arith,
     tmp_path,
@@ -471,16 +472,17 @@ def test_dpo_family_from_jsonl(tmp_path, pairs_path, loss):
       'checkpoint.every': 2,  # a checkpoint at the end of the SFT warm-up
     },
   )
-  trainer = loop.make_trainer(config)
   calls = []
-  reference_logprobs = trainer._seq_logp
 
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return reference_logprobs(*args, **kwargs)
+  def count_reference_calls(steps):
+    def counted(*args, **kwargs):
+      calls.append(1)
+      return steps.reference(*args, **kwargs)
 
-  trainer._seq_logp = counted
-  state = trainer.run()
+    return steps._replace(reference=counted)
+
+  capture(monkeypatch, dpo, 'make_steps', count_reference_calls)
+  state = trainers.run(config)
   d, sft_steps, steps = config.dpo, config.sft.steps, config.rl.steps
 
   recs = rl_records(tmp_path)
@@ -529,7 +531,7 @@ def test_bad_preference_row_is_named_by_file_and_line(tmp_path, bad_line, messag
   path.write_text(json.dumps(GOOD_PAIR) + '\n\n' + json.dumps(GOOD_PAIR) + '\n' + bad_line + '\n')
   config = shrink(dpo_arith, tmp_path / 'run', {'dpo.train_path': str(path)})
   with pytest.raises(ValueError, match=re.escape(f'{path}:4: ') + '.*' + re.escape(message)):
-    loop.make_trainer(config)
+    trainers.build(config)
 
 
 SFT_ROWS = [
@@ -551,7 +553,7 @@ def sft_run(tmp_path_factory):
   root = tmp_path_factory.mktemp('sft')
   path = write_jsonl(root / 'sft.jsonl', SFT_ROWS)
   config = sft_config(root / 'run', path, 20)
-  state = loop.run(config)
+  state = trainers.run(config)
   return config, root, state
 
 
@@ -575,8 +577,8 @@ def test_sft_only_run_keeps_its_optimiser_state_and_extends_exactly(sft_run, tmp
   config, root, straight = sft_run
   assert int(straight.step) == config.sft.steps
   path = root / 'sft.jsonl'
-  loop.run(sft_config(tmp_path, path, config.sft.steps - 8))
-  extended = loop.run(sft_config(tmp_path, path, config.sft.steps))
+  trainers.run(sft_config(tmp_path, path, config.sft.steps - 8))
+  extended = trainers.run(sft_config(tmp_path, path, config.sft.steps))
   assert_trees_equal(extended, straight)
 
 
@@ -659,9 +661,9 @@ def qwen_run(tmp_path_factory):
   )
   if 'mode' in config.reward:
     config.reward.mode = grpo_qwen.get_config().reward.mode  # the real set-up
-  trainer = loop.make_trainer(config)
-  state = trainer.run()
-  return config, root, trainer, state
+  job = trainers.build(config)
+  state = controller.train(job)
+  return config, root, job, state
 
 
 def test_grpo_qwen_runs_on_a_hugging_face_checkpoint(qwen_run):
@@ -686,7 +688,7 @@ def test_grpo_qwen_export_loads_in_transformers_with_the_same_logits(qwen_run):
   import torch
   import transformers
 
-  config, root, trainer, state = qwen_run
+  config, root, job, state = qwen_run
   export = os.path.join(str(root / 'run'), 'hf_export')
   final = hf_lib.to_host(state.params)
   assert_trees_equal(hf_lib.to_host(hf_lib.load(export).params), final)
@@ -702,10 +704,10 @@ def test_grpo_qwen_export_loads_in_transformers_with_the_same_logits(qwen_run):
     export, dtype=torch.float32, attn_implementation='eager'
   ).eval()
   texts = [
-    trainer.encoder.prompt_text('What is 2+3?') + 'It is 5.',
-    trainer.encoder.prompt_text('What is 12+9?'),
+    job.res.encoder.prompt_text('What is 2+3?') + 'It is 5.',
+    job.res.encoder.prompt_text('What is 12+9?'),
   ]
-  ids = [trainer.tokenizer.encode(t) for t in texts]
+  ids = [job.res.tokenizer.encode(t) for t in texts]
   length = max(map(len, ids))
   tokens = np.zeros((len(ids), length), np.int32)
   mask = np.zeros((len(ids), length), np.int32)
@@ -717,7 +719,7 @@ def test_grpo_qwen_export_loads_in_transformers_with_the_same_logits(qwen_run):
       attention_mask=torch.as_tensor(mask, dtype=torch.long),
     ).logits.numpy()
   got = np.asarray(
-    models.logits(trainer.graphdef, state.params, jnp.asarray(tokens), jnp.asarray(mask))
+    models.logits(job.res.model.graphdef, state.params, jnp.asarray(tokens), jnp.asarray(mask))
   )
   real = mask.astype(bool)
   np.testing.assert_allclose(got[real], expected[real], rtol=1e-4, atol=1e-4)
@@ -732,7 +734,7 @@ EVAL = {'rl.steps': 2, 'eval.every': 2, 'checkpoint.every': 2}
 def eval_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('eval')
   config = shrink(grpo_arith, workdir, EVAL)
-  loop.run(config)
+  trainers.run(config)
   return config, workdir
 
 

@@ -1,5 +1,6 @@
-"""Tests for the GRPO-family controller (`jrl.trainers.loop`) and the pieces it
-is built from (`policy.train_step` / `advantages`, `common.apply_gradients` /
+"""Tests for the GRPO-family run (`jrl.trainers.grpo`, driven by
+`jrl.trainers.controller`) and the pieces it is built from
+(`policy.train_step` / `advantages`, `common.apply_gradients` /
 `pack_sequences`, `optim.make_optimizer`).
 
 End-to-end tests shrink the real job, `configs/grpo_arith.py` (STYLE.md point
@@ -28,40 +29,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from configs import common as config_common
 from configs import grpo_arith
 from jrl import checkpoint as ckpt_lib
-from jrl import models, rewards
-from jrl.metrics import read_jsonl
-from jrl.trainers import common, loop, policy
+from jrl import models, rewards, trainers
+from jrl.trainers import checks, common, controller, grpo, policy
 from jrl.trainers.optim import make_optimizer
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# The shrunken default job: 2 SFT + 3 RL iterations; 16 rows per RL step in
-# two minibatches of 8; evaluation and a checkpoint every 2 iterations.
-SHRINK = {
-  'model.width': 32,
-  'model.mlp_width': 64,
-  'model.num_layers': 1,
-  'model.head_dim': 8,
-  'task.eval_size': 8,
-  'sft.steps': 2,
-  'sft.batch_size': 8,
-  'rl.steps': 3,
-  'rl.prompts_per_step': 4,
-  'rl.group_size': 4,
-  'rl.minibatch_size': 8,
-  'sampler.num_slots': 16,
-  'eval.every': 2,
-  'checkpoint.every': 2,
-  'log.tensorboard': True,
-}
-# Runs that only need the trainer's behaviour skip the evaluation and the writers.
-QUIET = {'eval.every': 0, 'log.plot': False, 'log.tensorboard': False}
+from tests.helpers import (
+  QUIET,
+  REPO,
+  SHRINK,
+  assert_trees_equal,
+  capture,
+  logged_steps,
+  optim_config,
+  records,
+  restore,
+  shrunk_config,
+)
 
 RL_METRICS = (
   'reward/mean',
@@ -89,49 +76,6 @@ RL_METRICS = (
 )
 
 
-def set_fields(config, fields):
-  """Sets {'a.b': value} fields on a (locked) config; returns it."""
-  for key, value in fields.items():
-    *parents, name = key.split('.')
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[name] = value
-  return config
-
-
-def shrunk_config(workdir, overrides=None):
-  """`grpo_arith.get_config()` (locked) with SHRINK and `overrides` ({'a.b': v}) set."""
-  fields = {**SHRINK, 'workdir': str(workdir), **(overrides or {})}
-  return set_fields(grpo_arith.get_config(), fields)
-
-
-def records(workdir):
-  return read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
-
-
-def restore(workdir, step=None):
-  """(state as nested dicts of NumPy arrays, meta) of a checkpoint, read with Orbax."""
-  manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'))
-  step = manager.latest_step() if step is None else step
-  restored = manager.restore(
-    step,
-    args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
-  )
-  manager.close()
-  return jax.tree.map(np.asarray, restored['state']), restored['meta']
-
-
-def assert_trees_equal(a, b):
-  """Same structure, and every leaf bitwise equal (dtype, shape and bytes)."""
-  a, b = jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
-    name = jax.tree_util.keystr(path)
-    assert (x.dtype, x.shape) == (y.dtype, y.shape), name
-    assert x.tobytes() == y.tobytes(), f'{name} differs: max |diff| {np.max(np.abs(x - y))}'
-
-
 def mean_warmup_lr(peak, warmup, updates):
   """Mean of a linear 0 -> peak warm-up over `warmup` updates at the given update counts."""
   return float(np.mean([peak * min(u, warmup) / warmup for u in updates]))
@@ -144,7 +88,7 @@ def mean_warmup_lr(peak, warmup, updates):
 def default_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('default'))
   config = shrunk_config(workdir)
-  state = loop.run(config)
+  state = trainers.run(config)
   return config, workdir, state
 
 
@@ -231,7 +175,7 @@ def test_resume_on_the_8_device_mesh_reproduces_the_run(default_run, tmp_path):
   resumed_dir = tmp_path / 'resumed'
   shutil.copytree(workdir, resumed_dir)
   shutil.rmtree(resumed_dir / 'checkpoints' / str(total))
-  resumed = loop.run(shrunk_config(resumed_dir, {'log.plot': False}))
+  resumed = trainers.run(shrunk_config(resumed_dir, {'log.plot': False}))
   assert_trees_equal(resumed, state)
   strip = lambda r: {k: v for k, v in r.items() if not k.startswith(('time/', 'throughput/'))}
   assert list(map(strip, records(resumed_dir))) == list(map(strip, records(workdir)))
@@ -255,9 +199,9 @@ def kl_dynamic_run(tmp_path_factory):
       'rl.overlong_buffer': 4,
     },
   )
-  trainer = loop.Trainer(config)
-  trainer.run()
-  return config, workdir, trainer
+  job = trainers.build(config)
+  controller.train(job)
+  return config, workdir, job
 
 
 def test_kl_coef_uses_the_warmed_up_policy_as_reference(kl_dynamic_run):
@@ -293,9 +237,10 @@ def test_dynamic_sampling_draws_more_prompts_for_zero_variance_groups(kl_dynamic
 def test_jitted_steps_compile_once(kl_dynamic_run):
   """The first call (freshly initialised state) and later calls (the state the
   step returned) must hit the same compiled program."""
-  _, _, trainer = kl_dynamic_run
-  assert trainer._sft_step._cache_size() == 1
-  assert trainer._rl_step._cache_size() == 1
+  _, _, job = kl_dynamic_run
+  warmup, steps = job.steps
+  assert warmup.step._cache_size() == 1
+  assert steps.rl._cache_size() == 1
 
 
 # Non-finite steps -------------------------------------------------------------------
@@ -309,11 +254,22 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     return loss * jnp.nan, metrics
 
   monkeypatch.setattr(policy, 'policy_loss', nan_loss)  # only the RL phase uses it
+  last = []  # the state the last RL update returned (its inputs are donated)
+
+  def keep_last_state(steps):
+    def rl(state, batch):
+      state, metrics = steps.rl(state, batch)
+      last[:] = [state]
+      return state, metrics
+
+    return steps._replace(rl=rl)
+
+  capture(monkeypatch, grpo, 'make_steps', keep_last_state)
   config = shrunk_config(tmp_path, {**QUIET, 'max_nonfinite_steps': 2})
-  trainer = loop.Trainer(config)
   ckdir = os.path.join(str(tmp_path), 'checkpoints')
   with pytest.raises(RuntimeError, match='non-finite') as info:
-    trainer.run()
+    trainers.run(config)
+  (state,) = last
   assert ckdir in str(info.value)
 
   sft_steps = config.sft.steps
@@ -324,13 +280,13 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
 
   checkpointer = ckpt_lib.Checkpointer(ckdir)
   assert checkpointer.latest_step() == sft_steps  # saved before the NaN steps
-  saved, meta = checkpointer.restore(sft_steps, ckpt_lib.abstract_like(trainer.state))
+  saved, meta = checkpointer.restore(sft_steps, ckpt_lib.abstract_like(state))
   checkpointer.close()
   assert meta['iteration'] == sft_steps
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(saved.params))
   # Both RL updates were skipped: the state after them is the checkpointed one.
-  assert int(trainer.state.step) == 0
-  assert_trees_equal(trainer.state, saved)
+  assert int(state.step) == 0
+  assert_trees_equal(state, saved)
 
 
 def _toy_state():
@@ -388,17 +344,17 @@ def test_apply_gradients_applies_finite_updates():
 def test_validate_names_the_bad_field(tmp_path, overrides, field):
   config = shrunk_config(tmp_path, overrides)
   with pytest.raises(ValueError, match=re.escape(f'`{field}`')):
-    loop.validate(config, 1)
+    checks.validate(config, 1)
 
 
 def test_validate_accepts_the_shrunken_configs(tmp_path):
-  loop.validate(shrunk_config(tmp_path), 8)
+  checks.validate(shrunk_config(tmp_path), 8)
   # A group of one is fine for estimators that need no group.
   config = shrunk_config(
     tmp_path,
     {'rl.advantage': 'reinforce_pp', 'rl.group_size': 1, 'rl.minibatch_size': 4},
   )
-  loop.validate(config, 4)
+  checks.validate(config, 4)
 
 
 def test_minibatch_must_split_over_the_mesh_batch_axes(tmp_path):
@@ -406,7 +362,7 @@ def test_minibatch_must_split_over_the_mesh_batch_axes(tmp_path):
     tmp_path, {'mesh.data': 8, 'rl.prompts_per_step': 3, 'rl.minibatch_size': 12}
   )
   with pytest.raises(ValueError, match=r'`rl.minibatch_size`.*mesh'):
-    loop.Trainer(config)
+    trainers.build(config)
 
 
 def test_misspelt_override_on_the_locked_config_raises():
@@ -420,7 +376,7 @@ def test_misspelt_override_on_the_locked_config_raises():
 def test_unknown_reward_function_is_named(tmp_path):
   config = shrunk_config(tmp_path, {'reward.functions': ('exact_match', 'no_such_reward')})
   with pytest.raises(ValueError, match='no_such_reward'):
-    loop.Trainer(config)
+    trainers.build(config)
 
 
 def test_reward_function_that_raises_is_contained_and_reported(tmp_path, monkeypatch, capsys):
@@ -444,7 +400,7 @@ def test_reward_function_that_raises_is_contained_and_reported(tmp_path, monkeyp
       'rl.steps': 2,
     },
   )
-  loop.run(config)
+  trainers.run(config)
   rl_records = [r for r in records(config.workdir) if r.get('phase') == 1.0]
   assert len(rl_records) == 2
   for r in rl_records:
@@ -479,7 +435,7 @@ def test_a_reward_that_exits_is_contained_and_a_run_without_reward_signal_stops(
     },
   )
   with pytest.raises(RuntimeError) as info:
-    loop.run(config)
+    trainers.run(config)
   message = str(info.value)
   assert name in message and 'SystemExit' in message and '100%' in message
   assert os.path.join(config.workdir, 'checkpoints') in message
@@ -508,7 +464,7 @@ def test_a_dead_reward_server_stops_the_run(tmp_path):
     },
   )
   with pytest.raises(RuntimeError, match="reward function 'remote'") as info:
-    loop.run(config)
+    trainers.run(config)
   assert f'127.0.0.1:{port}' in str(info.value)
 
 
@@ -522,7 +478,7 @@ def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path,
   overrides = {**QUIET, 'sft.steps': 0, 'rl.steps': 1, 'reward.functions': ('code_tests',)}
   overrides['reward.max_unscored_steps'] = 5  # arithmetic examples carry no tests: unscored
   config = shrunk_config(tmp_path / 'full', overrides)
-  loop.run(config)
+  trainers.run(config)
   (record,) = records(config.workdir)
   assert record['reward/sandbox_isolation'] == sandbox.isolation_metric() >= 2
 
@@ -535,7 +491,7 @@ def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path,
   }
   monkeypatch.setattr(sandbox, '_PLAN', sandbox._plan_from(found))
   with pytest.raises(code.SandboxUnavailableError, match='sandbox_unsafe'):
-    loop.Trainer(shrunk_config(tmp_path / 'degraded', overrides))
+    trainers.build(shrunk_config(tmp_path / 'degraded', overrides))
   monkeypatch.setattr(sandbox, '_PLAN', None)  # probed afresh by later tests
 
 
@@ -608,13 +564,6 @@ def test_pack_sequences_layout():
 def test_pack_sequences_names_the_row_that_is_too_long():
   with pytest.raises(ValueError, match=r'row 1\b.*\b3\b.*\b4\b.*\b6\b'):
     common.pack_sequences([[1], [1, 2, 3]], [[4], [4, 5, 6, 7]], 6)
-
-
-def optim_config(**fields):
-  optim = config_common.base().optim
-  for name, value in fields.items():
-    optim[name] = value
-  return optim
 
 
 @pytest.mark.parametrize(
@@ -796,15 +745,6 @@ def run_to_completion(command, env, attempts=3):
   raise AssertionError(f'{command} failed {attempts} times; last output:\n{outputs[-1][-3000:]}')
 
 
-def logged_steps(path):
-  """Steps of the complete lines of a metrics file being written."""
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding='utf-8') as f:
-    lines = f.read().split('\n')[:-1]
-  return [int(re.search(r'"step": (\d+)', line).group(1)) for line in lines]
-
-
 def checkpoint_entries(workdir):
   ckdir = os.path.join(workdir, 'checkpoints')
   return sorted(os.listdir(ckdir)) if os.path.isdir(ckdir) else []
@@ -931,7 +871,7 @@ def test_resumed_run_has_no_duplicated_steps(resumed_runs):
 )
 def test_trl_objectives_reach_the_loss_from_config(overrides):
   """The TRL-style objectives and their settings go from `rl.*` to the loss."""
-  cfg = loop._policy_loss_config(shrunk_config('/tmp/unused', overrides).rl)
+  cfg = policy.loss_config(shrunk_config('/tmp/unused', overrides).rl)
   for key, value in overrides.items():
     assert getattr(cfg, key.split('.', 1)[1]) == value
 
@@ -941,7 +881,7 @@ def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):
     tmp_path, {'rl.kl_coef': 0.05, 'rl.kl_in': 'reward', 'rl.kl_estimator': 'k3_ratio_corrected'}
   )
   with pytest.raises(ValueError, match=r'rl\.kl_estimator'):
-    loop.validate(config, 1)
+    checks.validate(config, 1)
 
 
 @pytest.mark.parametrize(
@@ -959,7 +899,7 @@ def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):
 def test_trl_objectives_train(tmp_path, overrides):
   """One RL iteration with each TRL-style objective: finite loss, an update."""
   config = shrunk_config(tmp_path, {**QUIET, 'sft.steps': 0, 'rl.steps': 1, **overrides})
-  state = loop.run(config)
+  state = trainers.run(config)
   (record,) = records(config.workdir)
   assert np.isfinite(record['actor/pg_loss']) and record['actor/nonfinite'] == 0.0
   assert int(state.step) == 2  # two minibatches

@@ -18,12 +18,13 @@ import pytest
 from flax import nnx
 
 from configs import common as config_common
+from jrl import trainers
 from jrl.metrics import read_jsonl
 from jrl.models import hf
 from jrl.models.tokenizer import load_tokenizer
 from jrl.rewards.model import RewardModel
-from jrl.trainers import loop
-from tests.trainers.test_grpo_loop import QUIET, shrunk_config
+from jrl.trainers import controller, rollout
+from tests.helpers import QUIET, shrunk_config
 
 
 def with_section(config, name, section, **fields):
@@ -51,7 +52,7 @@ def pipeline(tmp_path_factory):
   sft = shrunk_config(
     str(root / 'sft'), {**QUIET, 'algorithm': 'sft', 'rl.steps': 0, 'export_hf': True}
   )
-  loop.run(sft)
+  trainers.run(sft)
   out['sft_export'] = str(root / 'sft' / 'hf_export')
   # Stage 2: the reward model.
   write_pairs(root / 'train.jsonl', 64, 0)
@@ -79,7 +80,7 @@ def pipeline(tmp_path_factory):
     train_path=str(root / 'train.jsonl'),
     eval_path=str(root / 'eval.jsonl'),
   )
-  loop.run(rm)
+  trainers.run(rm)
   out['rm_export'] = str(root / 'rm' / 'hf_export')
   out['rm_records'] = read_jsonl(str(root / 'rm' / 'metrics.jsonl'))
   return out
@@ -128,12 +129,12 @@ def test_ppo_against_the_reward_model_with_normalisation(pipeline):
     },
   )
   with_section(config, 'ppo', config_common.ppo_section(), critic_path=pipeline['rm_export'])
-  trainer = loop.make_trainer(config)
+  job = trainers.build(config)
   # The critic starts as the reward model.
-  critic = nnx.to_pure_dict(trainer.state.extra['critic'].params)
+  critic = nnx.to_pure_dict(job.state.extra['critic'].params)
   rm = hf.to_host(hf.load(pipeline['rm_export'], lm_head=False, scalar_head=True).params)
   np.testing.assert_array_equal(np.asarray(critic['score']['kernel']).T, rm['score.weight'])
-  trainer.run()
+  state = controller.train(job)
   records = read_jsonl(str(root / 'ppo' / 'metrics.jsonl'))
   rows = config.rl.prompts_per_step * config.rl.group_size
   last = records[-1]
@@ -144,7 +145,7 @@ def test_ppo_against_the_reward_model_with_normalisation(pipeline):
   assert last['reward/running_std'] > 0
   assert abs(last['reward/shaped_mean']) <= 1.5
   assert -1.0 <= last['reward/length_corr'] <= 1.0
-  assert jax.tree.leaves(trainer.state.params)
+  assert jax.tree.leaves(state.params)
 
 
 def test_reward_model_config_errors_name_the_field(tmp_path, pipeline):
@@ -153,14 +154,14 @@ def test_reward_model_config_errors_name_the_field(tmp_path, pipeline):
   )
   with_section(config, 'rm', config_common.rm_section())
   with pytest.raises(ValueError, match=r'`sft\.steps`'):
-    loop.make_trainer(config)
+    trainers.build(config)
   config = shrunk_config(
     str(tmp_path),
     {'algorithm': 'reward_model', 'model.path': pipeline['sft_export'], 'sft.steps': 0},
   )
   with_section(config, 'rm', config_common.rm_section(), center_coef=-1.0)
   with pytest.raises(ValueError, match=r'`rm\.center_coef`'):
-    loop.make_trainer(config)
+    trainers.build(config)
 
 
 def _label_module():
@@ -209,7 +210,7 @@ def test_judge_path_adds_a_judge_reward_function(pipeline, tmp_path):
       'reward.mode': 'inline',
     },
   )
-  trainer = loop.make_trainer(config)
-  fns = trainer._inline_reward_fns()
+  job = trainers.build(config)
+  fns = rollout.inline_reward_fns(config.reward, job.res.tokenizer, job.res.mesh)
   assert set(fns) == {'judge'} and callable(fns['judge'])
-  trainer.close()
+  controller.close(job)

@@ -1,17 +1,22 @@
 """Rollout topologies (`config.topology`): colocated, disaggregated, one-step-off.
 
-All runs are the shrunken default job of test_grpo_loop (8 fake CPU devices,
+All runs are the shrunken default job of tests/helpers.py (8 fake CPU devices,
 in process), with the overlong penalty so that rewards vary with length and
 RL updates are not zero.
 """
+
+import os
+import signal
 
 import jax
 import numpy as np
 import pytest
 
+from jrl import checkpoint as ckpt_lib
+from jrl import trainers
 from jrl.metrics import read_jsonl
-from jrl.trainers import loop
-from tests.trainers.test_grpo_loop import QUIET, assert_trees_equal, shrunk_config
+from jrl.trainers import checks, controller, topology
+from tests.helpers import QUIET, assert_trees_equal, shrunk_config
 
 BASE = {**QUIET, 'rl.overlong_buffer': 4, 'rl.steps': 4, 'reward.mode': 'inline'}
 ONE_STEP_OFF = {'topology.kind': 'one_step_off', 'topology.staleness': 1}
@@ -19,7 +24,7 @@ STAMP_KEYS = ('time/', 'throughput/', 'rollout/')
 
 
 def run(workdir, overrides=None):
-  state = loop.run(shrunk_config(workdir, {**BASE, **(overrides or {})}))
+  state = trainers.run(shrunk_config(workdir, {**BASE, **(overrides or {})}))
   return jax.tree.map(np.asarray, state.params), read_jsonl(f'{workdir}/metrics.jsonl')
 
 
@@ -68,21 +73,24 @@ def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp
   """Preempted after RL iteration 1 (the rollout for iteration 2 is in flight),
   then restarted: the run ends as the uninterrupted one does."""
   workdir = str(tmp_path)
-  original = loop.Trainer.rl_iteration
+  config = shrunk_config(workdir, {**BASE, **ONE_STEP_OFF})
+  original = topology.OneStepOff.next_rollout
 
-  def preempt_after_first(self):
-    m = original(self)
-    if self.iteration == shrunk_config(workdir)['sft']['steps']:  # the first RL iteration
-      self._on_sigterm(None, None)
-    return m
+  def preempt_during_first(self, params, iteration):
+    ro = original(self, params, iteration)
+    if iteration == config.sft.steps:  # the first RL iteration
+      os.kill(os.getpid(), signal.SIGTERM)  # the controller's handler: stop after this one
+    return ro
 
-  monkeypatch.setattr(loop.Trainer, 'rl_iteration', preempt_after_first)
-  trainer = loop.make_trainer(shrunk_config(workdir, {**BASE, **ONE_STEP_OFF}))
-  trainer.run()
-  assert trainer.preempted
-  stopped_at = trainer.iteration
-  assert trainer.checkpointer.latest_step() == stopped_at
-  monkeypatch.setattr(loop.Trainer, 'rl_iteration', original)
+  monkeypatch.setattr(topology.OneStepOff, 'next_rollout', preempt_during_first)
+  trainers.run(config)
+  stopped_at = config.sft.steps + 1
+  total = config.sft.steps + config.rl.steps
+  assert read_jsonl(f'{workdir}/metrics.jsonl')[-1]['step'] == stopped_at < total  # preempted
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  assert checkpointer.latest_step() == stopped_at
+  checkpointer.close()
+  monkeypatch.setattr(topology.OneStepOff, 'next_rollout', original)
 
   params, records = run(workdir, ONE_STEP_OFF)
   assert_trees_equal(params, one_step_off[0])
@@ -107,14 +115,15 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
   config = shrunk_config(
     str(tmp_path), {**BASE, 'topology.kind': 'disaggregated', 'topology.rollout_devices': 4}
   )
-  trainer = loop.make_trainer(config)
-  train_devices = set(trainer.mesh.devices.flat)
-  rollout_devices = set(trainer.rollout_mesh.devices.flat)
+  job = trainers.build(config)
+  assert isinstance(job.topology, topology.Disaggregated)
+  train_devices = set(job.res.mesh.devices.flat)
+  rollout_devices = set(job.topology.worker.sampler.mesh.devices.flat)
   assert len(train_devices) == len(rollout_devices) == 4
   assert not train_devices & rollout_devices
-  placed = trainer.rollout_params()
+  placed = job.topology.rollout_params(job.state.params)
   assert all(set(x.sharding.device_set) == rollout_devices for x in jax.tree.leaves(placed))
-  state = trainer.run()
+  state = controller.train(job)
   records = read_jsonl(f'{tmp_path}/metrics.jsonl')
   assert all('time/reshard' in r for r in records if r.get('phase') == 1.0)
   # Same sampled tokens and rewards as colocated; parameters equal up to the
@@ -143,4 +152,4 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
 def test_bad_topology_names_the_field(tmp_path, overrides, field):
   config = shrunk_config(str(tmp_path), overrides)
   with pytest.raises(ValueError, match=f'`{field}`'):
-    loop.validate(config, batch_shards=1)
+    checks.validate(config, batch_shards=1)

@@ -1,0 +1,226 @@
+"""The controller: the loop every algorithm's run shares.
+
+An algorithm's `build(config)` returns a `Job`: its resources, its initial
+train state, and plain functions for one iteration, the held-out
+evaluation and the switch from the SFT warm-up to the main phase.
+`train(job)` then
+
+1. restores the newest intact checkpoint in `workdir`, if there is one;
+2. evaluates once before training (`eval.every` > 0, a fresh run);
+3. runs iterations `state, metrics = job.iterate(state, it)` up to
+   `sft.steps + rl.steps`, writing metrics every iteration, evaluating every
+   `eval.every` and checkpointing every `checkpoint.every`;
+4. stops with an error naming the cause after `max_nonfinite_steps`
+   iterations with skipped updates, or `reward.max_unscored_steps`
+   iterations left mostly unscored by a reward function;
+5. on SIGTERM, agrees with the other processes on an iteration, saves a
+   checkpoint there and returns; at the end writes the trace, the plot and
+   (`export_hf`) a Hugging Face export.
+
+All side effects of a run live here; the iteration functions return new
+state and metrics.
+"""
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from jrl import checkpoint as ckpt_lib
+from jrl import distributed
+from jrl import metrics as metrics_lib
+from jrl.rewards import shaping as reward_norm
+from jrl.trainers import common, setup
+
+
+class Job(NamedTuple):
+  """One algorithm's run, built and ready to start."""
+
+  res: setup.Resources
+  state: common.TrainState  # the initial state (its structure is kept all run long)
+  iterate: Callable  # (state, iteration) -> (state, metrics)
+  evaluate: Callable  # state -> held-out metrics ({} when there is nothing to evaluate)
+  start_rl: Callable | None = None  # state -> state, once the SFT warm-up is done
+  topology: Any = None  # jrl.trainers.topology strategy (online algorithms)
+  shaper: Any = None  # online.RewardShaper (online algorithms)
+  reward_errors: Callable = list  # () -> the reward service's latest errors
+  close: Callable = lambda: None  # stops reward workers
+  steps: Any = None  # the jitted steps, for benchmarks and tests
+
+
+def close(job):
+  """Waits for a background rollout and stops the job's reward workers."""
+  if job.topology is not None:
+    job.topology.close()
+  job.close()
+
+
+def mostly_unscored(m, limit, errors):
+  """A description of the reward functions that left more than `limit` of
+  this iteration's completions unscored, with their failure and timeout
+  counts and first errors; '' if none did."""
+  bad = []
+  for key, frac in m.items():
+    if key.startswith('reward/') and key.endswith('/unscored_frac') and frac > limit:
+      name = key[len('reward/') : -len('/unscored_frac')]
+      bad.append(
+        f'reward function {name!r} left {frac:.0%} of completions unscored '
+        f'({m.get(f"reward/{name}/failures", 0):g} failed and '
+        f'{m.get(f"reward/{name}/timeouts", 0):g} timed-out chunks'
+      )
+  if not bad:
+    return ''
+  errors = '; '.join(errors[:3]) or 'no error recorded: it returned None or NaN'
+  return ', '.join(b + ')' for b in bad) + f' (first errors: {errors})'
+
+
+class _Progress:
+  """What the loop counts, and checkpoints with the state."""
+
+  def __init__(self):
+    self.iteration = 0
+    self.nonfinite_run = 0  # iterations in a row with a skipped update
+    self.unscored_run = 0  # iterations in a row left mostly unscored
+    self.stop_requested = False  # SIGTERM
+
+  def on_sigterm(self, signum, frame):
+    del signum, frame
+    self.stop_requested = True
+
+
+def _meta(job, progress):
+  streams, behaviour = _streams_and_behaviour(job)
+  moments = job.shaper.moments if job.shaper is not None else reward_norm.init()
+  return {
+    'iteration': progress.iteration,
+    'streams': streams,
+    'nonfinite_run': progress.nonfinite_run,
+    'unscored_run': progress.unscored_run,
+    'pending_rollout': behaviour is not None,
+    'reward_moments': list(moments),
+    'config': json.loads(job.res.config.to_json_best_effort()),
+  }
+
+
+def _streams_and_behaviour(job):
+  if job.topology is not None:
+    return job.topology.checkpoint(job.res.streams)
+  return {name: s.state() for name, s in job.res.streams.items()}, None
+
+
+def save(job, checkpointer, state, progress, force=False):
+  """A checkpoint of the state, the streams and the counters. One-step-off:
+  the rollout in flight is not saved; the parameters it reads are, so that a
+  resumed run regenerates exactly the same rollout."""
+  _, behaviour = _streams_and_behaviour(job)
+  with job.res.tracer.span('checkpoint', iteration=progress.iteration):
+    checkpointer.save(
+      progress.iteration, state, _meta(job, progress), force=force, behaviour=behaviour
+    )
+  setup.write_trace(job.res)
+
+
+def restore(job, checkpointer, state, progress):
+  """The newest intact checkpoint's state (damaged newer ones are skipped
+  with a warning), its counters and streams; `state` when there is none."""
+  latest, restored, meta = checkpointer.restore_latest_intact(ckpt_lib.abstract_like(state))
+  if latest is None:
+    return state
+  progress.iteration = int(meta['iteration'])
+  for name, stream in job.res.streams.items():
+    stream.restore(meta['streams'][name])
+  progress.nonfinite_run = int(meta.get('nonfinite_run', 0))
+  progress.unscored_run = int(meta.get('unscored_run', 0))
+  if job.shaper is not None:
+    job.shaper.moments = reward_norm.RunningMoments(*meta.get('reward_moments', (0, 0, 0)))
+  if job.topology is not None:
+    job.topology.restore(checkpointer, latest, meta, restored.params)
+  if job.res.is_main:
+    print(f'resumed from {checkpointer.directory}/{latest} (iteration {progress.iteration})')
+  return restored
+
+
+def train(job):
+  """Runs (or resumes) `job` to `sft.steps + rl.steps` iterations, or until
+  SIGTERM; returns the final TrainState."""
+  res, config = job.res, job.res.config
+  tracer = res.tracer
+  total = config.sft.steps + config.rl.steps
+  checkpointer = setup.checkpointer(config, res.workdir)
+  progress = _Progress()
+  state = restore(job, checkpointer, job.state, progress)
+  writer = setup.writer(config, res.workdir, total, progress.iteration)
+  previous_handler = None
+  if threading.current_thread() is threading.main_thread():
+    previous_handler = signal.signal(signal.SIGTERM, progress.on_sigterm)
+  preempted = False
+
+  def due(every, it):
+    return every and (it % every == 0 or it == total or it == config.sft.steps)
+
+  if progress.iteration == 0 and config.eval.every:
+    writer.write(0, {**job.evaluate(state), 'phase': 0.0})
+  try:
+    while progress.iteration < total:
+      it = progress.iteration
+      in_sft = it < config.sft.steps
+      t_start = tracer.now()
+      with tracer.span('step', 'step', iteration=it):
+        state, m = job.iterate(state, it)
+      if not in_sft and tracer.enabled:
+        m.update(tracer.bubbles(t_start, tracer.now()))
+      it = progress.iteration = it + 1
+      if it == config.sft.steps and it < total and job.start_rl is not None:
+        state = job.start_rl(state)
+      nonfinite = m.get('actor/nonfinite', m.get('sft/nonfinite', 0.0))
+      progress.nonfinite_run = progress.nonfinite_run + 1 if nonfinite else 0
+      if due(config.eval.every, it):
+        m.update(job.evaluate(state))
+      writer.write(it, m)
+      unscored = mostly_unscored(m, config.reward.max_unscored_frac, job.reward_errors())
+      progress.unscored_run = progress.unscored_run + 1 if unscored else 0
+      if progress.unscored_run >= config.reward.max_unscored_steps:
+        checkpointer.wait()
+        raise RuntimeError(
+          f'stopping at iteration {it}: {unscored} for {progress.unscored_run} RL iterations '
+          f'in a row (more than `reward.max_unscored_frac`='
+          f'{config.reward.max_unscored_frac:g}); the updates had no reward signal. '
+          f'{checkpointer.describe_latest()}'
+        )
+      if progress.nonfinite_run >= config.max_nonfinite_steps:
+        checkpointer.wait()  # the last save on disk, with its checksums
+        raise RuntimeError(
+          f'stopping at iteration {it}: {progress.nonfinite_run} iterations in a row '
+          f'had a non-finite loss or gradient (updates were skipped). '
+          f'{checkpointer.describe_latest()}'
+        )
+      if distributed.any_process(progress.stop_requested) and it < total:
+        save(job, checkpointer, state, progress, force=True)
+        checkpointer.wait()  # complete and checksummed before it is reported
+        preempted = True
+        if res.is_main:
+          print(
+            f'SIGTERM: saved iteration {it} to {checkpointer.directory}; '
+            'run the same command to resume.',
+            flush=True,
+          )
+        break
+      if it % config.checkpoint.every == 0 or it == total:
+        save(job, checkpointer, state, progress)
+  finally:
+    if previous_handler is not None:
+      signal.signal(signal.SIGTERM, previous_handler)
+    checkpointer.wait()
+    writer.close()
+    close(job)
+  checkpointer.close()
+  setup.write_trace(res)
+  if preempted:
+    return state
+  if config.log.plot and res.is_main:
+    metrics_lib.plot_curves(writer.path, os.path.join(res.workdir, 'curves.png'))
+  if config.export_hf:
+    setup.export(res, state.params, os.path.join(res.workdir, 'hf_export'))
+  return state

@@ -1,0 +1,271 @@
+"""Multi-turn episodes with tools: the agent's rollout worker.
+
+`EpisodeWorker` implements the rollout worker's interface
+(`sample(params, iteration) -> Rollout`, `evaluate(params)`, `close()`; see
+`jrl.trainers.rollout`) by running one environment (`jrl.envs`) per sample.
+The sampler generates a model turn until a turn-ending token (a tool call's
+closing `}`) or end of sequence; the environment answers with tokens that
+the sampler appends on the sequence's cached pages; this repeats until the
+model ends its answer, the environment ends the episode, or a limit is hit
+(`agent.max_turns`, the token budget `rl.max_new_tokens`, the per-step
+timeout `agent.step_timeout_s`). An environment that raises, hangs or
+returns garbage ends only its own trajectory, with the reason counted.
+
+The trainer sees exactly the tokens the sampler produced and the
+environment returned (no re-tokenisation), with the loss mask over the
+model's tokens only. The reward is the environment's: the final answer's
+score plus any step rewards. `demonstration_batch` builds the SFT warm-up's
+rows with the same masking (environment tokens are context, never targets).
+
+Metrics: `env/turns`, `env/tool_calls`, `env/tool_failures`,
+`env/invalid_calls` (means per trajectory), `env/tool_use_rate` (share of
+trajectories with a successful tool call), `env/finish/<reason>`, and the
+usual `reward/*`.
+"""
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from jrl import sampler
+from jrl.envs import arith as arith_env
+from jrl.envs.base import FINISH_REASONS, run_step
+from jrl.trainers import common, rollout
+from jrl.trainers.setup import seed
+
+ENVIRONMENTS = {'arith_tool': (arith_env.ArithToolTask, arith_env.make_env)}
+
+
+def check(config):
+  """Raises ValueError naming the `agent.*` field that is out of place."""
+  ac = config.agent
+  if ac.env not in ENVIRONMENTS:
+    raise ValueError(f'`agent.env` must be one of {sorted(ENVIRONMENTS)}, got {ac.env!r}.')
+  if ac.max_turns < 1:
+    raise ValueError(f'`agent.max_turns` must be >= 1, got {ac.max_turns}.')
+  if not ac.step_timeout_s > 0:
+    raise ValueError(f'`agent.step_timeout_s` must be > 0, got {ac.step_timeout_s}.')
+  if not 0.0 <= ac.sft_tool_frac <= 1.0:
+    raise ValueError(f'`agent.sft_tool_frac` must be in [0, 1], got {ac.sft_tool_frac}.')
+  if config.rl.dynamic_sampling or config.topology.kind == 'one_step_off':
+    raise ValueError(
+      '`rl.dynamic_sampling` and `topology.kind` one_step_off are not supported with '
+      '`algorithm` "agent".'
+    )
+
+
+class Episode:
+  """The host-side record of one trajectory."""
+
+  def __init__(self, env):
+    self.env = env
+    self.turn_start = 0  # where the model's current turn starts in the completion
+    self.turns = 0
+    self.reward = 0.0
+    self.info = collections.Counter()
+    self.reason = None
+    self.error = ''
+
+
+def episode_metrics(episodes, rewards):
+  n = max(1, len(episodes))
+  m = {
+    'reward/mean': float(np.mean(rewards)) if len(rewards) else 0.0,
+    'env/turns': sum(ep.turns for ep in episodes) / n,
+    'env/tool_calls': sum(ep.info['tool_calls'] for ep in episodes) / n,
+    'env/tool_failures': sum(ep.info['tool_failures'] for ep in episodes) / n,
+    'env/invalid_calls': sum(ep.info['invalid_calls'] for ep in episodes) / n,
+    'env/tool_use_rate': float(
+      np.mean([ep.info['tool_calls'] > ep.info['tool_failures'] for ep in episodes])
+    ),
+  }
+  reasons = collections.Counter(ep.reason for ep in episodes)
+  for reason in FINISH_REASONS:
+    m[f'env/finish/{reason}'] = reasons.get(reason, 0) / n
+  errors = [ep.error for ep in episodes if ep.error]
+  if errors:
+    print(f'environment failures ({len(errors)}): {errors[0]}')
+  return m
+
+
+def demonstration_batch(config, tokenizer, stop_tokens, seq_len, examples, iteration):
+  """SFT rows of tool-use demonstrations (`agent.sft_tool_frac` of them call
+  the tool); the loss mask covers the model's segments and the eos only."""
+  ac = config.agent
+  rng = np.random.default_rng(seed(config.seed, iteration, 'demo'))
+  task_cls, _ = ENVIRONMENTS[ac.env]
+  eos = list(stop_tokens[:1])
+  prompts, responses, masks = [], [], []
+  for ex in examples:
+    segments = task_cls.demonstration(ex, use_tool=bool(rng.random() < ac.sft_tool_frac))
+    ids, model = [], []
+    for text, by_model in segments:
+      seg = tokenizer.encode(text)
+      ids += seg
+      model += [by_model] * len(seg)
+    prompts.append(tokenizer.encode(ex['prompt']))
+    responses.append(ids + eos)
+    masks.append(model + [True])
+  batch = common.pack_sequences(prompts, responses, seq_len, tokenizer.pad_id)
+  loss_mask = np.zeros_like(batch.loss_mask)
+  for row, (p, mk) in enumerate(zip(prompts, masks, strict=True)):
+    loss_mask[row, len(p) : len(p) + len(mk)] = mk
+  return batch._replace(loss_mask=loss_mask)
+
+
+class EpisodeWorker:
+  """The rollout worker of `algorithm='agent'`: B x G episodes per sample."""
+
+  def __init__(self, res, mesh, prompt_rows=None):
+    del prompt_rows  # one process: every episode runs here
+    config = res.config
+    self.config = config
+    self.tokenizer = res.tokenizer
+    self.stream = res.streams['rl_stream']
+    self.held_out = res.task.held_out
+    self.stop_tokens = res.stop_tokens
+    self.seq_len = res.seq_len
+    self.vocab_size = res.model.config.vocab_size
+    self.tracer = res.tracer
+    self.lock = threading.Lock()
+    self.last_errors = []
+    _, self.make_env = ENVIRONMENTS[config.agent.env]
+    self.turn_stops = tuple(self.make_env(res.tokenizer).turn_stop_tokens)
+    # Room for the environment's answers (fed through the decode loop) and
+    # for the turn-ending tokens among the stop tokens.
+    self.sampler = rollout.build_sampler(
+      config,
+      res.model,
+      mesh,
+      res.stop_tokens,
+      max_forced_tokens=config.agent.max_env_tokens,
+      max_stop_tokens=len(res.stop_tokens) + 2,
+    )
+    self.sampler.tracer = res.tracer
+
+  def close(self):
+    pass
+
+  def run_episodes(self, params, examples, *, group_size, greedy, iteration, draw=0):
+    """(requests, [len(examples)][G] (Completion, Episode))."""
+    rl, ac = self.config.rl, self.config.agent
+    episodes = [
+      [Episode(self.make_env(self.tokenizer)) for _ in range(group_size)] for _ in examples
+    ]
+    prompts = [episodes[i][0].env.reset(ex) for i, ex in enumerate(examples)]
+    for i, ex in enumerate(examples):
+      for ep in episodes[i][1:]:
+        ep.env.reset(ex)
+    stops = set(self.stop_tokens)
+
+    def on_turn_end(i, g, tokens):
+      ep = episodes[i][g]
+      if int(tokens[-1]) in stops:
+        return 'stop'  # the model ended its answer
+      ep.turns += 1
+      if ep.turns > ac.max_turns:
+        ep.reason = 'max_turns'
+        return ep.reason
+      step, failure, message = run_step(
+        ep.env,
+        [int(t) for t in tokens[ep.turn_start :]],
+        timeout_s=ac.step_timeout_s,
+        vocab_size=self.vocab_size,
+        max_tokens=ac.max_env_tokens,
+      )
+      if failure:
+        ep.reason, ep.error = failure, message
+        return failure
+      ep.info.update(step.info)
+      ep.reward += float(step.reward)
+      if step.done:
+        ep.reason = 'done'
+        return 'done'
+      ep.turn_start = len(tokens) + len(step.tokens)
+      return list(step.tokens)
+
+    requests = [
+      sampler.Request(
+        prompt=p,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        top_k=rl.top_k,
+        top_p=rl.top_p,
+        greedy=greedy,
+        stop_tokens=tuple(self.stop_tokens) + self.turn_stops,
+        seed=seed(self.config.seed, iteration, draw, i),
+      )
+      for i, p in enumerate(prompts)
+    ]
+    with self.lock:
+      groups = self.sampler.generate(
+        params, requests, group_size=group_size, on_turn_end=on_turn_end
+      )
+    out = []
+    for i, group in enumerate(groups):
+      row = []
+      for g, c in enumerate(group):
+        ep = episodes[i][g]
+        ep.reason = ep.reason or c.finish_reason
+        if c.finish_reason == 'stop':
+          text = self.tokenizer.decode(
+            [int(t) for t in c.tokens if int(t) not in stops], skip_special_tokens=True
+          )
+          ep.reward += ep.env.final_reward(text)
+        row.append((c, ep))
+      out.append(row)
+    return requests, out
+
+  def sample(self, params, iteration, version=None):
+    rl = self.config.rl
+    g, b = rl.group_size, rl.prompts_per_step
+    examples = self.stream.next(b)
+    start = time.perf_counter()
+    with self.tracer.span('generate', iteration=iteration):
+      requests, results = self.run_episodes(
+        params, examples, group_size=g, greedy=False, iteration=iteration
+      )
+    t_gen = time.perf_counter() - start
+    flat = [pair for row in results for pair in row]
+    completions = [c for c, _ in flat]
+    episodes = [ep for _, ep in flat]
+    rewards_np = np.asarray([ep.reward for ep in episodes], np.float32)
+    prompts = [r.prompt for r in requests for _ in range(g)]
+    batch, old_logp = rollout.pack_completions(
+      prompts, completions, self.seq_len, self.tokenizer.pad_id
+    )
+    loss_mask = np.asarray(batch.loss_mask).copy()
+    for row, c in enumerate(completions):
+      s = len(prompts[row])
+      loss_mask[row, s : s + len(c.tokens)] &= ~c.env_mask  # the model's tokens only
+    batch = batch._replace(loss_mask=loss_mask)
+    m = episode_metrics(episodes, rewards_np)
+    lengths = np.asarray([len(c.tokens) for c in completions])
+    zero_var = rewards_np.reshape(b, g).max(1) == rewards_np.reshape(b, g).min(1)
+    m['reward/std'] = float(rewards_np.std())
+    m['response_length/mean'] = float(lengths.mean())
+    m['response_length/max'] = float(lengths.max())
+    m['response_length/clip_ratio'] = float(np.mean([ep.reason == 'length' for ep in episodes]))
+    m['groups/zero_variance_frac'] = float(zero_var.mean())
+    m['time/generate'] = t_gen
+    m['time/reward'] = 0.0
+    gen_tokens = int(sum(len(c.tokens) - int(c.env_mask.sum()) for c in completions))
+    m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    version = iteration if version is None else version
+    return rollout.Rollout(batch, old_logp, rewards_np, version, m)
+
+  def evaluate(self, params):
+    if not self.held_out:
+      return {}
+    with self.tracer.span('eval'):
+      _, results = self.run_episodes(params, self.held_out, group_size=1, greedy=True, iteration=-1)
+    episodes = [ep for row in results for _, ep in row]
+    rewards = np.asarray([ep.reward for ep in episodes])
+    m = episode_metrics(episodes, rewards)
+    return {
+      'eval/accuracy': float(np.mean(rewards > 0.5)),
+      'eval/tool_use_rate': m['env/tool_use_rate'],
+      'eval/turns': m['env/turns'],
+    }

@@ -1,0 +1,173 @@
+"""The GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, CISPO, SAPO, VESPO, RLOO,
+REINFORCE++), with an optional SFT warm-up first.
+
+`run(config)` is what `launch/train.py` calls for `algorithm='grpo'`. One
+RL iteration reads:
+
+    rollout  = topology.next_rollout(params, it)      # generate + score (worker)
+    rollout  = place_rollout(rollout, ...)            # mesh, reward shaping, reference
+    A        = advantages(rewards, loss_mask)         # group-normalised, per token
+    state    = epochs x minibatches of policy.train_step(state, batch)
+
+One-step-off (staleness 1) adds decoupled PPO: the clip is taken against
+the current (proximal) policy and the loss weighted by the truncated ratio
+proximal / behaviour.
+
+All randomness is a function of (`seed`, iteration), and the data streams'
+positions are checkpointed, so a resumed run produces the same parameters
+and metrics as one that never stopped.
+"""
+
+import functools
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jrl import losses as L
+from jrl import models
+from jrl.trainers import common, controller, online, policy, rollout, setup, sft
+
+
+class Steps(NamedTuple):
+  """The jitted functions of a GRPO-family run."""
+
+  rl: Any  # policy.train_step
+  logprobs: Any  # (params, tokens, mask) -> logp [B, T]
+  advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None) -> [B, T]
+
+
+def logprobs_fn(config, graphdef):
+  """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature."""
+  rl = config.rl
+  logprobs = jax.jit(
+    functools.partial(
+      models.next_token_logprobs, graphdef, temperature=rl.temperature, chunk_size=rl.chunk_size
+    )
+  )
+  return lambda params, tokens, mask: logprobs(params, tokens, mask)[0]
+
+
+def make_steps(config, res, tx, schedule, shardings):
+  rl = config.rl
+  rl_step = jax.jit(
+    functools.partial(
+      policy.train_step,
+      graphdef=res.model.graphdef,
+      tx=tx,
+      schedule=schedule,
+      cfg=policy.loss_config(rl),
+      accum=int(config.optim.grad_accum),
+    ),
+    donate_argnums=(0,),
+    out_shardings=shardings,
+  )
+  advantages = jax.jit(
+    functools.partial(policy.advantages, group_size=rl.group_size, cfg=policy.advantage_config(rl))
+  )
+  return Steps(rl_step, logprobs_fn(config, res.model.graphdef), advantages)
+
+
+def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):
+  """The job of a GRPO-family run. `make_worker(res, mesh, prompt_rows)` is the
+  rollout worker (the agent passes its episode runner), `sft_batch` packs
+  the warm-up's examples."""
+  rl = config.rl
+  res, rollout_mesh, rows = online.start(config)
+
+  # State: the reference model is the policy at the start of RL. One
+  # optimiser per phase; the optimiser state and step restart when RL begins.
+  tx, schedule = setup.optimizer(config)
+  uses_ref = rl.kl_coef > 0
+
+  def new_state(params, tx):
+    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
+    return setup.new_state(params, tx, res.mesh, extra)
+
+  state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
+  warmup = sft.warmup(res, state, sft_batch)
+  steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
+  worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
+  shaper = online.RewardShaper(config.reward)
+  adv_cfg = policy.advantage_config(rl)
+
+  def rl_iteration(state, it):
+    t_step = time.perf_counter()
+    ro = topo.next_rollout(state.params, it)
+    ref_params = state.extra['ref_params'] if uses_ref else None
+    ro = online.place_rollout(ro, res, shaper, steps.logprobs, ref_params, rl.minibatch_size)
+    m = dict(ro.metrics)
+    mask = ro.batch.loss_mask
+    kl_reward = None
+    if adv_cfg.kl_coef_in_reward:
+      kl_reward = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator='k1', mask=mask)
+    adv = steps.advantages(jnp.asarray(ro.rewards), mask, kl_BxT=kl_reward)
+    old_logp, is_weights = ro.old_logp, None
+    if topo.staleness:
+      old_logp, is_weights, stale_metrics = proximal(state, ro, it)
+      m.update(stale_metrics)
+    full = policy.PolicyBatch(
+      tokens=ro.batch.tokens,
+      mask=ro.batch.mask,
+      loss_mask=mask,
+      old_logp=old_logp,
+      ref_logp=ro.ref_logp,
+      advantages=adv,
+      is_weights=is_weights,
+    )
+    with res.tracer.span('update', iteration=it):
+      state, um, t_update = online.run_minibatches(
+        steps.rl, state, full, config, it, res.batch_sharding
+      )
+    m.update(um)
+    m.update(online.advantage_metrics(adv, mask))
+    m['time/update'] = t_update
+    m['time/step'] = time.perf_counter() - t_step
+    m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
+    m['phase'] = 1.0
+    return state, m
+
+  def proximal(state, ro, it):
+    """Decoupled PPO: (proximal logprobs, truncated importance weights
+    proximal / behaviour, metrics) for a rollout of an older policy."""
+    if ro.version == it:
+      return ro.old_logp, jnp.ones_like(ro.old_logp), {}
+    with res.tracer.span('proximal'):
+      old_logp = common.minibatched(
+        steps.logprobs, state.params, ro.batch, rl.minibatch_size, res.batch_sharding
+      )
+      jax.block_until_ready(old_logp)
+    is_weights, is_metrics = L.importance_weights(
+      old_logp,
+      ro.old_logp,
+      ro.batch.loss_mask,
+      level='token',
+      mode='truncate',
+      high=config.topology.is_cap,
+    )
+    m = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
+    m['rollout/behaviour_logp_diff_abs'] = float(
+      L.token_mean(jnp.abs(old_logp - ro.old_logp), ro.batch.loss_mask)
+    )
+    return old_logp, is_weights, m
+
+  def iterate(state, it):
+    return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
+
+  return controller.Job(
+    res,
+    state,
+    iterate,
+    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params)),
+    start_rl=lambda state: new_state(state.params, tx),
+    topology=topo,
+    shaper=shaper,
+    reward_errors=lambda: worker.last_errors,
+    close=worker.close,
+    steps=(warmup, steps),
+  )
+
+
+def run(config):
+  return controller.train(build(config))

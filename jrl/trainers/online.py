@@ -1,0 +1,138 @@
+"""Pieces shared by the on-policy algorithms (GRPO family, PPO, agent): the
+devices split by the topology, this process's prompt rows, reward shaping,
+placing a rollout on the mesh with its reference logprobs, and minibatched
+epochs of an update step.
+
+Offline algorithms (SFT, DPO, reward model) import nothing from here.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl import distributed
+from jrl.rewards import shaping as reward_norm
+from jrl.trainers import common, rollout, setup, topology
+
+
+def start(config):
+  """(Resources, rollout mesh, prompt rows): the set-up of an online run up
+  to the model, with every config check that needs no model."""
+  tc = config.topology
+  res, rollout_mesh = setup.start(config, tc.rollout_devices if tc.kind != 'colocated' else 0)
+  rollout.check_reward_functions(config.reward)
+  return res, rollout_mesh, prompt_rows(config, res.batch_sharding)
+
+
+def prompt_rows(config, batch_sharding):
+  """(lo, hi): the prompts whose groups this process's devices hold. Data
+  loading is sharded by process: each reads only those rows."""
+  rl = config.rl
+  g = rl.group_size
+  lo, hi = distributed.local_rows(batch_sharding, rl.prompts_per_step * g)
+  if lo % g or hi % g:
+    raise ValueError(
+      f'`rl.group_size`: process {jax.process_index()} holds rollout rows [{lo}, {hi}), '
+      f'which split groups of {g}; make prompts_per_step x group_size / processes a '
+      'multiple of group_size.'
+    )
+  return lo // g, hi // g
+
+
+def finish(config, res, rollout_mesh, rows, make_worker):
+  """(worker, topology). Called last: the worker starts reward processes once
+  nothing else in the set-up can fail."""
+  worker = make_worker(res, rollout_mesh, rows)
+  total = config.sft.steps + config.rl.steps
+  return worker, topology.make(config, worker, res, rollout_mesh, total)
+
+
+class RewardShaper:
+  """Clipping and running normalisation (`reward.clip`, `reward.normalize`),
+  in the main thread and in step order, so a resumed run shapes alike. Its
+  moments are checkpointed by the controller."""
+
+  def __init__(self, reward_config):
+    self.clip = reward_config.clip
+    self.normalize = reward_config.normalize
+    self.moments = reward_norm.init()
+
+  def __call__(self, raw, m):
+    if self.normalize:
+      self.moments = reward_norm.update(self.moments, raw)
+      shaped = reward_norm.normalize(self.moments, raw, clip=self.clip)
+      m['reward/running_mean'] = float(self.moments.mean)
+      m['reward/running_std'] = reward_norm.std(self.moments)
+      m['reward/shaped_mean'] = float(shaped.mean())
+      return shaped
+    return reward_norm.clip_rewards(raw, self.clip)
+
+
+def place_rollout(ro, res, shaper, logprobs, ref_params, rows):
+  """A worker's Rollout placed on the mesh, its rewards shaped, with
+  reference logprobs (`logprobs(params, tokens, mask)` over minibatches of
+  `rows`; zeros when `ref_params` is None)."""
+  m = dict(ro.metrics)
+  start = time.perf_counter()
+  placed = common.place(ro.batch, res.batch_sharding)
+  ref_logp = jnp.zeros(ro.batch.tokens.shape, jnp.float32)
+  if ref_params is not None:
+    with res.tracer.span('reference'):
+      ref_logp = common.minibatched(logprobs, ref_params, placed, rows, res.batch_sharding)
+      jax.block_until_ready(ref_logp)
+  t_ref = time.perf_counter() - start
+  m['time/reference'] = t_ref
+  num_tokens = int(np.asarray(ro.batch.mask).sum())
+  if ref_params is not None:
+    m['throughput/reference_tokens_per_s'] = num_tokens / max(t_ref, 1e-9)
+  return ro._replace(
+    batch=placed,
+    old_logp=common.place(ro.old_logp, res.batch_sharding),
+    ref_logp=ref_logp,
+    rewards=shaper(ro.rewards, m),
+    metrics=m,
+    num_tokens=num_tokens,
+  )
+
+
+def run_minibatches(step, state, full, config, iteration, sharding):
+  """`rl.epochs` passes of `step` over minibatches of `full` (a pytree of
+  [B·G, ...] arrays), in permutations fixed by (seed, iteration).
+
+  Returns:
+    (state, metrics averaged over minibatches, seconds).
+  """
+  rl = config.rl
+  start = time.perf_counter()
+  rows = rl.prompts_per_step * rl.group_size
+  mb = rl.minibatch_size
+  results = []
+  for epoch in range(rl.epochs):
+    rng = np.random.default_rng(setup.seed(config.seed, iteration, 'perm', epoch))
+    perm = rng.permutation(rows)
+    for k in range(rows // mb):
+      idx = jnp.asarray(np.sort(perm[k * mb : (k + 1) * mb]))
+      mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], sharding), full)
+      state, um = step(state, mini)
+      results.append(um)
+  results = jax.device_get(results)
+  m = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
+  # The first minibatch is scored before any update: the sampler/trainer gap.
+  if 'actor/logp_diff_abs' in results[0]:
+    m['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])
+  for k in ('actor/nonfinite', 'critic/nonfinite'):
+    if k in results[0]:
+      m[k] = float(np.max([u[k] for u in results]))
+  return state, m, time.perf_counter() - start
+
+
+def advantage_metrics(adv, loss_mask):
+  values = distributed.fetch(adv)[distributed.fetch(loss_mask)]
+  return {
+    'advantages/mean': float(values.mean()),
+    'advantages/std': float(values.std()),
+    'advantages/max': float(values.max()),
+    'advantages/min': float(values.min()),
+  }

@@ -1,0 +1,290 @@
+"""Set-up shared by every algorithm, as plain functions: seeds, the mesh, the
+tokenizer and prompt encoder, the task's examples and streams, the model,
+the optimisers, the checkpointer, the metrics writer and the tracer.
+
+`resources(config, mesh)` calls them in order and returns a `Resources`
+record; an algorithm's `build(config)` starts from it and adds only what
+that algorithm needs (a rollout worker and a topology for the online ones).
+The checkpointer and the writer are made by the controller when the run
+starts (`jrl.trainers.controller.train`).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jrl import checkpoint as ckpt_lib
+from jrl import distributed, models, parallel, trace
+from jrl import metrics as metrics_lib
+from jrl.data import PromptStream, read_sft_jsonl
+from jrl.models import hf as hf_lib
+from jrl.models.tokenizer import load_tokenizer
+from jrl.trainers import checks, common, tasks
+from jrl.trainers.optim import make_optimizer
+
+
+def seed(*parts):
+  """A 31-bit seed from any tuple of ints and strings (stable across runs)."""
+  digest = hashlib.sha256(repr(parts).encode()).digest()
+  return int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
+
+
+class Model(NamedTuple):
+  """The policy's definition: what `models` and the sampler need besides params."""
+
+  config: Any  # models.ModelConfig
+  graphdef: Any  # nnx.GraphDef (static)
+  hf_config: dict | None  # the source directory's config.json (None: a fresh model)
+
+
+class Resources(NamedTuple):
+  """What every algorithm's run is built on (see `resources`)."""
+
+  config: Any  # the whole (locked) ml_collections config
+  workdir: str  # absolute; checkpoints, metrics.jsonl, trace.json live here
+  mesh: jax.sharding.Mesh  # the training mesh
+  tokenizer: Any
+  encoder: tasks.Encoder
+  checker: checks.ExampleChecker
+  task: tasks.Task
+  streams: dict  # name -> PromptStream; every position is checkpointed
+  model: Model
+  params: Any  # the initial policy parameters, laid out on `mesh`
+  seq_len: int  # T = rl.max_prompt_len + rl.max_new_tokens
+  stop_tokens: tuple  # the tokenizer's end-of-sequence ids
+  batch_sharding: jax.sharding.NamedSharding  # rows over data x fsdp
+  tracer: trace.Tracer
+  is_main: bool  # process 0 writes metrics, traces and exports
+
+
+# The devices --------------------------------------------------------------------
+
+
+def meshes(config, rollout_devices=0):
+  """(training mesh, rollout mesh). With `rollout_devices` > 0 the last that many
+  devices sample on a mesh of their own and the others train; else both are
+  the same mesh over all devices."""
+  mc = config.mesh
+  devices = jax.devices()
+  rollout = None
+  if 0 < rollout_devices < len(devices):
+    devices, rollout = devices[:-rollout_devices], devices[-rollout_devices:]
+  mesh = parallel.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
+  if rollout is None:
+    return mesh, mesh
+  return mesh, parallel.make_mesh(-1, 1, 1, devices=rollout)
+
+
+def batch_shards(mesh):
+  """Rows are split over the data and fsdp axes."""
+  return mesh.shape['data'] * mesh.shape['fsdp']
+
+
+# Tokens and examples -----------------------------------------------------------
+
+
+def tokenizer(config):
+  path = config.tokenizer or config.model.path
+  if not path:
+    raise ValueError("`tokenizer` must be 'char' or a directory (or set `model.path`).")
+  return load_tokenizer(path)
+
+
+def encoder(config, tok):
+  tk = config.task
+  return tasks.Encoder(
+    tok,
+    tk.chat_template,
+    tk.add_bos,
+    system_prompt=tk.system_prompt,
+    template_kwargs=tk.chat_template_kwargs.to_dict(),
+  )
+
+
+def examples(config, enc, tok):
+  """(checker, task, streams). Every example is encoded once now: a character
+  the tokenizer lacks or a prompt over `rl.max_prompt_len` fails here with
+  its file and line."""
+  rl = config.rl
+  checker = checks.ExampleChecker(
+    enc.prompt_ids, tok.encode, rl.max_prompt_len, rl.max_prompt_len + rl.max_new_tokens
+  )
+  # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
+  # (prompt, answer) examples: then their answers must fit a row too.
+  sft_check = checker.sft if config.sft.steps else None
+  train_check = checker.prompt
+  if sft_check is not None and not config.sft.train_path:
+    train_check = sft_check
+  task = tasks.Task(config.task, config.seed, checker.prompt, train_check)
+  sft_source = task.train
+  if config.sft.train_path:
+    sft_source = read_sft_jsonl(config.sft.train_path, check=sft_check)
+  streams = {
+    'rl_stream': PromptStream(task.train, seed=seed(config.seed, 'rl')),
+    'sft_stream': PromptStream(sft_source, seed=seed(config.seed, 'sft')),
+  }
+  return checker, task, streams
+
+
+# The model and its optimisers ---------------------------------------------------
+
+
+def build_model(config, tok, mesh):
+  """(Model, params laid out on `mesh`): from `model.path` or freshly initialised."""
+  m = config.model
+  if m.path:
+    ck = hf_lib.load(m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
+    if ck.config.vocab_size < tok.vocab_size:
+      raise ValueError(
+        f'`model.path` vocabulary ({ck.config.vocab_size}) is smaller than the tokenizer '
+        f'({tok.vocab_size}).'
+      )
+    return Model(ck.config, ck.graphdef, ck.hf_config), ck.params
+  model_config = models.ModelConfig(
+    vocab_size=tok.vocab_size,
+    width=m.width,
+    mlp_width=m.mlp_width,
+    num_layers=m.num_layers,
+    num_heads=m.num_heads,
+    num_kv_heads=m.num_kv_heads,
+    head_dim=m.head_dim,
+    tie_embeddings=m.tie_embeddings,
+    init_std=m.init_std,
+    param_dtype=m.param_dtype,
+    compute_dtype=m.compute_dtype,
+  )
+  graphdef, params = models.create_sharded(model_config, jax.random.PRNGKey(config.seed), mesh)
+  return Model(model_config, graphdef, None), params
+
+
+def critic_from_policy(config, policy_params, key, mesh):
+  """(graphdef, params) of a critic: a copy of the policy's backbone plus a
+  fresh scalar head, laid out on `mesh`."""
+  graphdef, fresh = models.create_sharded(config, key, mesh, lm_head=False, scalar_head=True)
+  pure = nnx.to_pure_dict(fresh)
+  source = nnx.to_pure_dict(policy_params)
+  for name in pure:
+    if name != 'score':
+      pure[name] = jax.tree.map(jnp.copy, source[name])  # own buffers: states are donated
+  nnx.replace_by_pure_dict(fresh, pure)
+  return graphdef, fresh
+
+
+def optimizer(config):
+  """(tx, schedule) of the main phase (`optim`)."""
+  return make_optimizer(config.optim)
+
+
+def sft_optimizer(config):
+  """(tx, schedule) of the SFT warm-up: `optim` with `sft.lr` and `sft.warmup_steps`
+  and no decay. The optimiser state and step restart when RL begins."""
+  sft_optim = config.optim.copy_and_resolve_references()
+  with sft_optim.unlocked():
+    sft_optim.lr = config.sft.lr
+    sft_optim.warmup_steps = config.sft.warmup_steps
+    sft_optim.decay_steps = 0
+  return make_optimizer(sft_optim)
+
+
+def new_state(params, tx, mesh, extra=None):
+  """A TrainState with fresh optimiser state, placed on the mesh."""
+  return common.place_on_mesh(common.init_state(params, tx, extra), mesh)
+
+
+def step_shardings(state, mesh):
+  """out_shardings of a jitted step: it returns the state in the layout it
+  received it (compiled once), and replicated metrics."""
+  return (jax.tree.map(lambda x: x.sharding, state), parallel.replicated(mesh))
+
+
+# Side effects: files ------------------------------------------------------------
+
+
+def checkpointer(config, workdir):
+  return ckpt_lib.Checkpointer(
+    os.path.join(workdir, 'checkpoints'),
+    keep=config.checkpoint.keep,
+    async_save=config.checkpoint.async_save,
+  )
+
+
+def writer(config, workdir, total, start):
+  """The metrics writer (process 0; the others write nothing)."""
+  if not distributed.is_main():
+    return metrics_lib.NullWriter()
+  return metrics_lib.MetricsWriter(
+    workdir,
+    total,
+    resume_step=start,
+    tensorboard=config.log.tensorboard,
+    log_every=config.log.every,
+  )
+
+
+def write_trace(res):
+  """workdir/trace.json (process 0), for ui.perfetto.dev or chrome://tracing."""
+  if res.is_main:
+    mc = res.model.config
+    model = {
+      f.name: getattr(mc, f.name) for f in dataclasses.fields(mc) if f.name != 'rope_scaling'
+    }
+    other = {'config': json.loads(res.config.to_json_best_effort()), 'model': model}
+    res.tracer.write(os.path.join(res.workdir, 'trace.json'), other)
+
+
+def export(res, params, path):
+  """Writes the policy as a Hugging Face checkpoint directory."""
+  hf_lib.save(
+    path,
+    res.model.config,
+    params,
+    hf_config=res.model.hf_config,
+    source_dir=res.config.model.path or None,
+  )
+
+
+# All of it ----------------------------------------------------------------------
+
+
+def resources(config, mesh):
+  """Workdir, tokenizer, encoder, checked examples and streams, and the model,
+  in this order (the first error a config can cause is the one
+  raised)."""
+  workdir = os.path.abspath(config.workdir)
+  os.makedirs(workdir, exist_ok=True)
+  tok = tokenizer(config)
+  enc = encoder(config, tok)
+  checker, task, streams = examples(config, enc, tok)
+  model, params = build_model(config, tok, mesh)
+  rl = config.rl
+  return Resources(
+    config=config,
+    workdir=workdir,
+    mesh=mesh,
+    tokenizer=tok,
+    encoder=enc,
+    checker=checker,
+    task=task,
+    streams=streams,
+    model=model,
+    params=params,
+    seq_len=rl.max_prompt_len + rl.max_new_tokens,
+    stop_tokens=tuple(tok.eos_ids),
+    batch_sharding=parallel.batch_sharding(mesh),
+    tracer=trace.Tracer(enabled=config.log.trace, pid=jax.process_index()),
+    is_main=distributed.is_main(),
+  )
+
+
+def start(config, rollout_devices=0):
+  """(Resources, rollout mesh): the meshes, the config checks that need only
+  the devices (`checks.validate`), then `resources`."""
+  mesh, rollout_mesh = meshes(config, rollout_devices)
+  checks.validate(config, batch_shards(mesh))
+  return resources(config, mesh), rollout_mesh

@@ -1,0 +1,116 @@
+"""Helpers that several test files share: the shrunken default job, config
+field setting, reading what a run wrote, tree equality, and capturing what a
+trainer's `make_steps` built.
+"""
+
+import os
+import re
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from configs import common as config_common
+from configs import grpo_arith
+from jrl.metrics import read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The shrunken default job: 2 SFT + 3 RL iterations; 16 rows per RL step in
+# two minibatches of 8; evaluation and a checkpoint every 2 iterations.
+SHRINK = {
+  'model.width': 32,
+  'model.mlp_width': 64,
+  'model.num_layers': 1,
+  'model.head_dim': 8,
+  'task.eval_size': 8,
+  'sft.steps': 2,
+  'sft.batch_size': 8,
+  'rl.steps': 3,
+  'rl.prompts_per_step': 4,
+  'rl.group_size': 4,
+  'rl.minibatch_size': 8,
+  'sampler.num_slots': 16,
+  'eval.every': 2,
+  'checkpoint.every': 2,
+  'log.tensorboard': True,
+}
+# Runs that only need the trainer's behaviour skip the evaluation and the writers.
+QUIET = {'eval.every': 0, 'log.plot': False, 'log.tensorboard': False}
+
+
+def set_fields(config, fields):
+  """Sets {'a.b': value} fields on a (locked) config; returns it."""
+  for key, value in fields.items():
+    *parents, name = key.split('.')
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[name] = value
+  return config
+
+
+def shrunk_config(workdir, overrides=None):
+  """`grpo_arith.get_config()` (locked) with SHRINK and `overrides` ({'a.b': v}) set."""
+  fields = {**SHRINK, 'workdir': str(workdir), **(overrides or {})}
+  return set_fields(grpo_arith.get_config(), fields)
+
+
+def optim_config(**fields):
+  optim = config_common.base().optim
+  for name, value in fields.items():
+    optim[name] = value
+  return optim
+
+
+def records(workdir):
+  return read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+
+
+def logged_steps(path):
+  """Steps of the complete lines of a metrics file being written."""
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().split('\n')[:-1]
+  return [int(re.search(r'"step": (\d+)', line).group(1)) for line in lines]
+
+
+def restore(workdir, step=None):
+  """(state as nested dicts of NumPy arrays, meta) of a checkpoint, read with Orbax."""
+  manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'))
+  step = manager.latest_step() if step is None else step
+  restored = manager.restore(
+    step,
+    args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+  )
+  manager.close()
+  return jax.tree.map(np.asarray, restored['state']), restored['meta']
+
+
+def assert_trees_equal(a, b):
+  """Same structure, and every leaf bitwise equal (dtype, shape and bytes)."""
+  a, b = jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+    name = jax.tree_util.keystr(path)
+    assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+    assert x.tobytes() == y.tobytes(), f'{name} differs: max |diff| {np.max(np.abs(x - y))}'
+
+
+def capture(monkeypatch, module, name, wrap=None):
+  """Replaces `module.name` (a builder such as `make_steps`) by one that
+  keeps what it returned in the list this returns; `wrap(result)` may
+  replace the result (e.g. a jitted step by a counting wrapper)."""
+  built = []
+  original = getattr(module, name)
+
+  def recording(*args, **kwargs):
+    result = original(*args, **kwargs)
+    if wrap is not None:
+      result = wrap(result)
+    built.append(result)
+    return result
+
+  monkeypatch.setattr(module, name, recording)
+  return built
