@@ -13,7 +13,9 @@ Two entry points:
   compute dtype, e.g. bfloat16); only the float32 upcast is chunked.
 * `token_logprobs_from_hidden(hidden, unembed, targets)`: the final hidden
   states and the unembedding matrix; the [B, T, V] logits themselves are
-  never materialised, in any dtype. This is what a trainer should call.
+  never materialised, in any dtype. The matmul reads the compute dtype and
+  returns float32 (`jrl.precision.einsum_f32`). This is what a trainer
+  should call.
 
 With temperature τ the distribution is softmax(z / τ), the one a sampler at
 temperature τ draws from. Matching the trainer's temperature to the
@@ -29,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jrl import precision
 from jrl.losses._checks import check_rank
 
 _DEFAULT_CHUNK = 1024
@@ -162,8 +165,9 @@ def token_logprobs_from_hidden(
   """Target-token logprobs (and entropy) from final hidden states.
 
   Computes logits = hidden @ unembed (+ bias) one chunk of rows at a time, so
-  the [B, T, V] logits never exist whole. The matmul runs in the dtype of
-  `hidden`/`unembed` (the compute dtype); the softmax in float32. With
+  the [B, T, V] logits never exist whole. The matmul reads the dtype of
+  `hidden`/`unembed` (the compute dtype) and accumulates and returns float32
+  logits, as the sampler's; the softmax is float32. With
   `softcap` c the logits become c·tanh(logits / c) in float32 first (Gemma 2's
   final logit soft-capping), before the temperature.
 
@@ -198,7 +202,9 @@ def token_logprobs_from_hidden(
     raise ValueError(f'`bias` must have shape [V={unembed.shape[1]}], got {bias.shape}.')
 
   def row_fn(hidden_NxD, targets_N):
-    logits_NxV = hidden_NxD @ unembed
+    # float32 logits from compute-dtype operands (as the sampler's), never
+    # rounded to bfloat16; compute-dtype matmuls backwards.
+    logits_NxV = precision.einsum_f32('nd,dv->nv', hidden_NxD, unembed)
     if bias is not None:
       logits_NxV = logits_NxV + bias
     if softcap is not None:

@@ -71,7 +71,8 @@ MOE_IMPLS = ('ragged', 'dense')
 # Per-layer activation checkpointing: what the backward pass keeps of a block.
 #   none           everything (no recomputation)
 #   full           only the block's input; the whole block is recomputed
-#   dots           every matmul output (projections and attention scores)
+#   dots           every matmul output but the float32 attention scores
+#                  (projections and probabilities · values)
 #   dots_no_batch  the projection outputs (q, k, v, o, MLP), not the [B, H, T, T]
 #                  attention scores and probabilities
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
@@ -129,6 +130,8 @@ class LoraConfig:
       raise ValueError(
         f'`lora.targets` must be distinct names from {list(LORA_TARGETS)}, got {self.targets!r}.'
       )
+    # One order (LORA_TARGETS'), so that equal target sets give equal configs and graphs.
+    object.__setattr__(self, 'targets', tuple(t for t in LORA_TARGETS if t in self.targets))
     if self.dropout != 0.0:
       raise ValueError(
         f'`lora.dropout` must be 0.0 (dropout is not implemented), got {self.dropout!r}.'

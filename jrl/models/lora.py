@@ -231,7 +231,7 @@ def save_adapters(path, config, params, *, base_model_name_or_path=None):
     'r': lc.rank,
     'lora_alpha': lc.alpha,
     'lora_dropout': lc.dropout,
-    'target_modules': sorted(lc.targets),
+    'target_modules': list(lc.targets),
     'bias': 'none',
     'fan_in_fan_out': False,
     'use_rslora': False,

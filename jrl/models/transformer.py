@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jrl import losses
+from jrl import losses, precision
 from jrl.models.config import ModelConfig, rope_inv_freq
 
 # attention(layer, q_BxTxHxd, k_BxTxKxd, v_BxTxKxd, cache) -> (out_BxTxHxd, cache)
@@ -215,9 +215,8 @@ def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS, *, scale=None,
   b, t, h, d = q_BxTxHxd.shape
   k = k_BxSxKxd.shape[2]
   q_BxTxKxGxd = q_BxTxHxd.reshape(b, t, k, h // k, d)
-  scores = jnp.einsum(
-    'btkgd,bskd->bkgts', q_BxTxKxGxd, k_BxSxKxd, preferred_element_type=jnp.float32
-  )
+  # float32 scores from compute-dtype operands; compute-dtype matmuls backwards.
+  scores = precision.einsum_f32('btkgd,bskd->bkgts', q_BxTxKxGxd, k_BxSxKxd)
   scores = attention_scores(scores, d, scale, softcap)
   scores = jnp.where(allowed_BxTxS[:, None, None, :, :], scores, NEG_INF)
   # Softmax in float32.
@@ -560,8 +559,8 @@ class Transformer(nnx.Module):
   def logits(self, hidden_NxD):
     """float32 logits [..., V] of final hidden states, soft-capped when the
     config says so (Gemma 2). The sampler and `logits` both use this."""
-    # Logits in float32.
-    z = jnp.dot(hidden_NxD, self.unembed(), preferred_element_type=jnp.float32)
+    # Logits in float32 (float32 accumulation of compute-dtype operands).
+    z = precision.einsum_f32('...d,dv->...v', hidden_NxD, self.unembed())
     return softcap_logits(z.astype(jnp.float32), self.config.final_softcap)
 
   def scalar(self, hidden_BxTxD):
