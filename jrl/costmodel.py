@@ -522,14 +522,13 @@ def simulate_generation(workload, lengths=None):
   all slots (fewer when every slot finishes sooner); slots that finished
   are freed at the dispatch boundary; the page
   bound is the most pages any slot can hold after the dispatch, rounded up
-  to an eighth of the per-slot maximum.
+  to a power of two (at most the per-slot maximum), as `attend_pages`.
   """
   w = workload
   lengths = list(workload.response_lengths() if lengths is None else lengths)
   g, s, k, page = w.group_size, w.num_slots, w.steps_per_dispatch, w.page_size
   prompt = w.prompt_len
   max_pages = math.ceil(((w.max_prompt_len or prompt) + w.response_max) / page)
-  step_round = max(1, -(-max_pages // 8))
   pending = list(range(w.prompts_per_step))
   free, running = s, []  # running: [remaining tokens, tokens held]
   prefills, dispatches = 0, []
@@ -542,7 +541,7 @@ def simulate_generation(workload, lengths=None):
       free -= g
       prefills += 1
     held = max(math.ceil(t / page) for _, t in running)
-    bound = min(-(-(held + math.ceil(k / page) + 1) // step_round) * step_round, max_pages)
+    bound = min(1 << max(0, math.ceil(math.log2(held + math.ceil(k / page) + 1))), max_pages)
     # The decode loop stops early once no slot is live.
     dispatches.append((min(k, max((r[0] for r in running), default=0)), bound))
     for r in running:

@@ -212,28 +212,50 @@ def bench_model(args):
 
 
 def bench_sampler(args):
-  """GRPO-shaped rollout: jrl's paged sampler against the dense static-batch baseline."""
+  """GRPO-shaped rollout: jrl's paged sampler against the dense static-batch baseline.
+
+  Modes: 'natural' (stop tokens make lengths geometric, capped at --max_new);
+  'long_tail' (no stop tokens; every sample has its own max_new_tokens, a
+  quarter of them --max_new and the rest 16 to --max_new / 8 tokens), where
+  the paged engine also runs without compaction. For each engine: the first
+  call (compile included), the seconds spent compiling in it, and the
+  steady state (median of --repeats later calls).
+  """
+  import functools
+
   import numpy as np
 
   from jrl import models, sampler
   from jrl.sampler import baseline
 
+  if args.cache_dir:
+    sampler.enable_compilation_cache(args.cache_dir)
   config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
-  # Stop tokens make lengths geometric with mean ~V/num_stop, capped at max_new: a long tail.
-  stop = tuple(int(t) for t in rng.choice(config.vocab_size, args.num_stop, replace=False))
+  g = args.group
+  long_tail = args.mode == 'long_tail'
+  if long_tail:
+    stop = ()
+    short = lambda: int(rng.integers(16, max(17, args.max_new // 8 + 1)))
+    limits = [
+      [args.max_new if rng.random() < 0.25 else short() for _ in range(g)]
+      for _ in range(args.prompts)
+    ]
+  else:
+    # Stop tokens make lengths geometric with mean ~V/num_stop, capped at max_new.
+    stop = tuple(int(t) for t in rng.choice(config.vocab_size, args.num_stop, replace=False))
+    limits = [args.max_new] * args.prompts
   requests = [
     sampler.Request(
       prompt=rng.integers(0, config.vocab_size, rng.integers(args.min_prompt, args.max_prompt + 1)),
-      max_new_tokens=args.max_new,
+      max_new_tokens=limits[i],
       temperature=1.0,
       stop_tokens=stop,
       seed=i,
     )
     for i in range(args.prompts)
   ]
-  g = args.group
   page = args.page_size
   per_group = max(sampler.pages_needed(len(r.prompt), args.max_new, g, page) for r in requests)
   engine_config = sampler.EngineConfig(
@@ -242,41 +264,63 @@ def bench_sampler(args):
     page_size=page,
     max_prompt_len=args.max_prompt,
     max_new_tokens=args.max_new,
-    max_stop_tokens=len(stop),
+    max_stop_tokens=max(1, len(stop)),
   )
-  smp = sampler.Sampler(graphdef, config, engine_config, steps_per_dispatch=args.steps)
-
-  def run_paged():
-    return smp.generate(params, requests, group_size=g)
+  make = lambda compaction: sampler.Sampler(
+    graphdef,
+    config,
+    engine_config,
+    steps_per_dispatch=args.steps,
+    prefill_chunk=args.prefill_chunk,
+    compaction=compaction,
+  )
+  engines = {'paged': make(True)}
+  if long_tail:
+    engines['paged, no compaction'] = make(False)
+  smp = engines['paged']
 
   def run_dense():
     return baseline.dense_generate(graphdef, params, config, requests, g, args.max_new)
 
   print(
-    f'sampler: {config.num_params() / 1e6:.1f}M-param model, {args.prompts} prompts x G={g}, '
-    f'prompts {args.min_prompt}-{args.max_prompt} tokens, up to {args.max_new} new, '
-    f'backend {jax.default_backend()}'
+    f'sampler ({args.mode}): {config.num_params() / 1e6:.1f}M-param model, {args.prompts} '
+    f'prompts x G={g}, prompts {args.min_prompt}-{args.max_prompt} tokens, up to '
+    f'{args.max_new} new, {args.slots} slots, backend {jax.default_backend()}'
   )
+  runs = {
+    name: functools.partial(e.generate, params, requests, group_size=g)
+    for name, e in engines.items()
+  }
+  runs['dense'] = run_dense
   results = {}
-  for name, fn in (('paged', run_paged), ('dense', run_dense)):
+  for name, fn in runs.items():
+    start = time.perf_counter()
     with compile_seconds() as compiled:
       out = fn()
+    first = time.perf_counter() - start
     times = []
     for _ in range(args.repeats):
       start = time.perf_counter()
       out = fn()
       times.append(time.perf_counter() - start)
-    sec = statistics.median(times)
-    if name == 'paged':
+    if name == 'dense':
+      tokens = int(out.mask.sum())
+      lengths = list(out.mask.sum(axis=1))
+    else:
       tokens = sum(len(c.tokens) for grp in out for c in grp)
       lengths = [len(c.tokens) for grp in out for c in grp]
-    else:
-      tokens = int(out.mask.sum())
-    results[name] = dict(sec=sec, compile=compiled[0], tokens=tokens, out=out)
-  if [len(c.tokens) for grp in results['paged']['out'] for c in grp] != list(
-    results['dense']['out'].mask.sum(axis=1)
-  ):
-    print('  WARNING: the two engines produced different completions')
+    results[name] = dict(
+      sec=statistics.median(times),
+      first=first,
+      compile=compiled[0],
+      tokens=tokens,
+      out=out,
+      lengths=lengths,
+      stats=getattr(engines.get(name), 'stats', None),
+    )
+  for name in engines:
+    if results[name]['lengths'] != results['dense']['lengths']:
+      print(f'  WARNING: {name} and dense produced different completion lengths')
 
   itemsize = jnp.dtype(config.compute_dtype).itemsize
   kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
@@ -286,19 +330,30 @@ def bench_sampler(args):
     (len(r.prompt) // page + g * (len(r.prompt) % page > 0)) * page for r in requests
   )
   prompt_dense = len(requests) * g * max(len(r.prompt) for r in requests)
-  lengths = np.asarray(lengths)
+  lengths = np.asarray(results['paged']['lengths'])
   print(
     f'  completion lengths: mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, '
     f'max {lengths.max()}, {np.mean(lengths == args.max_new):.0%} hit max_new'
   )
-  for name in ('paged', 'dense'):
-    r = results[name]
+  for name, r in results.items():
+    extra = ''
+    if r['stats'] is not None:
+      st = r['stats']
+      extra = (
+        f'; {st.prefills} prompts in {st.prefill_calls} prefill calls, {st.dispatches} '
+        f'dispatches, {st.compactions} compactions'
+      )
     print(
-      f'  {name:6s} {r["tokens"] / r["sec"]:9.0f} output tokens/s  ({r["tokens"]} tokens in '
-      f'{r["sec"]:.2f} s, median of {args.repeats}; compile {r["compile"]:.1f} s)'
+      f'  {name:21s} {r["tokens"] / r["sec"]:8.0f} output tokens/s steady ({r["tokens"]} tokens '
+      f'in {r["sec"]:.2f} s, median of {args.repeats}); first call {r["first"]:.1f} s of '
+      f'which compile {r["compile"]:.1f} s{extra}'
     )
+  rate = lambda name: results[name]['tokens'] / results[name]['sec']
   p, d = results['paged'], results['dense']
-  print(f'  tokens/s paged/dense: x{(p["tokens"] / p["sec"]) / (d["tokens"] / d["sec"]):.2f}')
+  print(f'  tokens/s paged/dense: x{rate("paged") / rate("dense"):.2f}')
+  print(f'  first call paged/dense: x{p["first"] / d["first"]:.2f}')
+  if long_tail:
+    print(f'  tokens/s compaction/none: x{rate("paged") / rate("paged, no compaction"):.2f}')
   print(
     f'  KV memory: paged peak {paged_bytes / 2**20:.1f} MiB in use '
     f'({smp.stats.peak_pages} pages of {page}) vs dense {dense_bytes / 2**20:.1f} MiB '
@@ -658,6 +713,9 @@ def main():
   p.add_argument('--page_size', type=int, default=16)
   p.add_argument('--steps', type=int, default=16, help='decode steps per dispatch')
   p.add_argument('--repeats', type=int, default=1)
+  p.add_argument('--mode', choices=('natural', 'long_tail'), default='natural')
+  p.add_argument('--prefill_chunk', type=int, default=None, help='tokens per prefill chunk')
+  p.add_argument('--cache_dir', default='', help='persistent compilation cache directory')
   p = sub.add_parser('grpo', help='seconds per stage of a GRPO step')
   p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
   p.add_argument('--steps', type=int, default=4)

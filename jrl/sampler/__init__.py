@@ -6,14 +6,19 @@ from jrl.sampler.engine import (
   EngineConfig,
   Prefix,
   SlotRequest,
+  admit,
+  compact,
   decode_step,
   free,
   generate,
+  group_pages,
   init_state,
   insert,
+  insert_batch,
   pages_needed,
   pool_pages,
   prefill,
+  prefill_batch,
 )
 from jrl.sampler.sampler import (
   Completion,
@@ -22,6 +27,7 @@ from jrl.sampler.sampler import (
   Sampler,
   SamplerStats,
   default_buckets,
+  enable_compilation_cache,
   to_rollout_batch,
 )
 from jrl.sampler.sampling import SamplingParams, sample

@@ -136,7 +136,7 @@ def dense_generate(graphdef, params, model_config, requests, group_size, t_max):
     top_p=jnp.asarray([r.top_p for r, _ in rows], jnp.float32),
     greedy=jnp.asarray([r.greedy for r, _ in rows], bool),
   )
-  max_new = jnp.asarray([r.max_new_tokens for r, _ in rows], jnp.int32)
+  max_new = jnp.asarray([r.per_sample('max_new_tokens', group_size)[g] for r, g in rows], jnp.int32)
   fn = _jitted(graphdef, t_max)
   out = fn(
     params,

@@ -55,13 +55,18 @@ def _truncate(z_SxV, top_k_S, top_p_S):
   return jnp.where(z_SxV >= threshold_S[:, None], z_SxV, _NEG)
 
 
-def sample(logits_SxV, keys_S, params):
+def sample(logits_SxV, keys_S, params, truncate=None):
   """Draws one token per slot.
 
   Args:
     logits_SxV: float32 logits.
     keys_S: [S] typed PRNG keys (one per slot; each is used once).
     params: SamplingParams of [S] arrays.
+    truncate: static. None: a `lax.cond` skips the top-k / top-p sort when no
+      slot needs it; True: always apply it (rows with top_k 0 and top_p 1 are
+      unchanged); False: never (the caller knows no slot asks for it). Under
+      `vmap` a cond becomes a select that runs the sort anyway, so the
+      batched sampler passes a static value.
 
   Returns:
     (tokens [S] int32, logprobs [S] float32 under the sampled distribution).
@@ -69,13 +74,16 @@ def sample(logits_SxV, keys_S, params):
   logits_SxV = logits_SxV.astype(jnp.float32)
   temperature_S = jnp.where(params.greedy, 1.0, jnp.maximum(params.temperature, 1e-6))
   z_SxV = logits_SxV / temperature_S[:, None]
-  needs_truncation = jnp.any(((params.top_k > 0) | (params.top_p < 1.0)) & ~params.greedy)
-  z_SxV = jax.lax.cond(
-    needs_truncation,
-    lambda z: _truncate(z, params.top_k, params.top_p),
-    lambda z: z,
-    z_SxV,
-  )
+  if truncate is None:
+    needs_truncation = jnp.any(((params.top_k > 0) | (params.top_p < 1.0)) & ~params.greedy)
+    z_SxV = jax.lax.cond(
+      needs_truncation,
+      lambda z: _truncate(z, params.top_k, params.top_p),
+      lambda z: z,
+      z_SxV,
+    )
+  elif truncate:
+    z_SxV = _truncate(z_SxV, params.top_k, params.top_p)
   z_SxV = jnp.where(params.greedy[:, None], logits_SxV, z_SxV)
   drawn_S = jax.vmap(lambda k, z: jax.random.categorical(k, z))(keys_S, z_SxV)
   tokens_S = jnp.where(params.greedy, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)

@@ -60,7 +60,7 @@ def test_attend_pages_bounds_growth_with_few_variants():
     # 8 steps can add at most 2 pages (3 when starting mid-page).
     assert bound >= min(held + 3, m)
     seen.add(bound)
-  assert len(seen) <= 8
+  assert len(seen) <= 4  # powers of two: 4, 8, 16, 32
   assert engine.attend_pages([], 8, cfg) >= 3
 
 

@@ -451,13 +451,16 @@ def test_continuous_batching_equals_one_request_at_a_time():
 
 
 def _poison(state, value):
-  """Overwrites every page not held by an active slot (page 0 included) with `value`."""
+  """Overwrites every page not held by an active slot (page 0 included) with
+  `value`, in every replica (state fields have a leading [R] axis)."""
   st = jax.device_get(state)
-  held = np.zeros(st.refcount.shape[0], bool)
-  for s in np.flatnonzero(st.active):
-    held[st.page_table[s, : st.num_pages[s]]] = True
-  assert not held[0]
-  fill = lambda pages: np.where(held[None, :, None, None], pages, np.float32(value))
+  r, n = st.refcount.shape
+  held = np.zeros((r, n), bool)
+  for k in range(r):
+    for s in np.flatnonzero(st.active[k]):
+      held[k, st.page_table[k, s, : st.num_pages[k, s]]] = True
+  assert not held[:, 0].any()
+  fill = lambda pages: np.where(held[:, None, :, None, None], pages, np.float32(value))
   st = st._replace(
     k_pages=tuple(fill(k) for k in st.k_pages), v_pages=tuple(fill(v) for v in st.v_pages)
   )
@@ -473,19 +476,19 @@ def test_garbage_in_unheld_pages_changes_nothing(monkeypatch, value):
   group_requests, clean_groups = _group_run()
 
   calls = []
-  original_free, original_insert = sampler._free, sampler._insert
+  original_free, original_admit = sampler._free, sampler._admit
 
   def free(state, mask):
     calls.append('free')
     return _poison(original_free(state, mask), value)
 
-  def insert(state, *args):
+  def admit(params, state, *args, **kwargs):
     # Poisoned before the insert (its new pages are dirty) and after it (the
     # pages not yet grown into are dirty for the next dispatch).
-    return _poison(original_insert(_poison(state, value), *args), value)
+    return _poison(original_admit(params, _poison(state, value), *args, **kwargs), value)
 
   monkeypatch.setattr(sampler, '_free', free)
-  monkeypatch.setattr(sampler, '_insert', insert)
+  monkeypatch.setattr(sampler, '_admit', admit)
   dirty = _poison(sampler.init_state(), value)
   dirty_greedy = sampler.generate(params, greedy_requests, state=dirty)
   assert calls.count('free') >= 3  # frees happened, and the freed pages were reused dirty
@@ -502,23 +505,40 @@ def _snapshot(state):
   return jax.device_get(state)
 
 
+@functools.cache
+def _engine_steps(ecfg=ECFG):
+  """The engine's steps on one replica (no [R] axis), jitted as the driver does."""
+  graphdef = _model()[0]
+  generate = jax.jit(
+    functools.partial(engine.generate, graphdef, cfg=ecfg), static_argnames=('num_steps',)
+  )
+  return (
+    jax.jit(functools.partial(engine.init_state, CFG, ecfg)),
+    jax.jit(functools.partial(engine.prefill, graphdef)),
+    jax.jit(functools.partial(engine.insert, cfg=ecfg)),
+    generate,
+    jax.jit(engine.free),
+  )
+
+
 def test_engine_page_accounting():
   """Drives the engine's jitted steps by hand: sharing, growth, free, reuse."""
   sampler = _sampler()
   _, params = _model()
   cfg = sampler.cfg
+  init, prefill, insert, generate, free_step = _engine_steps()
   n_pages = cfg.num_pages
   prompt = _prompts((9,), seed=2)[0]  # two full pages + one partial
   tokens = np.zeros(MAX_PROMPT, np.int32)
   tokens[:9] = prompt
-  state = sampler.init_state()
+  state = init()
   st = _snapshot(state)
   assert int(st.free_top) == n_pages - 1 and not st.refcount.any()
   assert sorted(st.free_stack[: n_pages - 1].tolist()) == list(range(1, n_pages))
 
-  prefix = sampler._prefill(params, jnp.asarray(tokens), jnp.int32(9))
+  prefix = prefill(params, jnp.asarray(tokens), jnp.int32(9))
   request = sampler._slot_request(Request(prompt=prompt, max_new_tokens=12, seed=1), (0, 1, 2, 3))
-  state = sampler._insert(state, prefix, jnp.arange(4, dtype=jnp.int32), request)
+  state = insert(state, prefix, jnp.arange(4, dtype=jnp.int32), request)
   st = _snapshot(state)
   shared = st.page_table[0, :2]
   private = st.page_table[:, 2]
@@ -533,8 +553,8 @@ def test_engine_page_accounting():
   np.testing.assert_array_equal(st.lengths, [9, 9, 9, 9])
 
   # Two dispatches (6 tokens): positions 9..14, so each slot grows one page.
-  state = sampler._generate(params, state, num_steps=STEPS)
-  state = sampler._generate(params, state, num_steps=STEPS)
+  state = generate(params, state, num_steps=STEPS)
+  state = generate(params, state, num_steps=STEPS)
   st = _snapshot(state)
   np.testing.assert_array_equal(st.lengths, [15] * 4)
   np.testing.assert_array_equal(st.num_pages, [4] * 4)
@@ -546,7 +566,7 @@ def test_engine_page_accounting():
   def free(state, slots):
     mask = np.zeros(cfg.num_slots, bool)
     mask[list(slots)] = True
-    return sampler._free(state, jnp.asarray(mask))
+    return free_step(state, jnp.asarray(mask))
 
   top_before = int(st.free_top)
   state = free(state, [0])
@@ -576,7 +596,7 @@ def test_engine_page_accounting():
 def test_state_is_clean_after_generate():
   sampler = _sampler()
   sampler.generate(_model()[1], _group_run()[0], group_size=4)
-  st = jax.device_get(sampler.last_state)
+  st = jax.tree.map(lambda x: x[0], jax.device_get(sampler.last_state))  # the one replica
   assert int(st.free_top) == sampler.cfg.num_pages - 1
   assert not st.refcount.any() and not st.page_table.any() and not st.active.any()
   assert sorted(st.free_stack[: sampler.cfg.num_pages - 1].tolist()) == list(
@@ -605,7 +625,7 @@ def test_small_pool_completes_every_request():
   # (its 4 samples have no stop token and all reach 12 tokens).
   assert sampler.stats.peak_pages == SMALL.num_pages - 1
   st = jax.device_get(sampler.last_state)
-  assert int(st.free_top) == SMALL.num_pages - 1 and not st.refcount.any()
+  assert st.free_top.tolist() == [SMALL.num_pages - 1] and not st.refcount.any()
 
 
 def test_request_larger_than_pool_is_refused():
@@ -647,7 +667,7 @@ def test_sharded_sampling_matches_single_device(name):
 
   sampler = _sampler(ECFG, cfg, mesh_shape)
   pool = sampler.init_state().k_pages[0]
-  assert pool.sharding.spec == (P('tensor') if pool_split else P())
+  assert pool.sharding.spec == (P(None, 'tensor') if pool_split else P())
   got = sampler.generate(sparams, requests, group_size=2)
   _assert_same(got, want, logp_atol=1e-5)
 
@@ -788,3 +808,352 @@ def test_paged_equals_dense_baseline():
     np.testing.assert_allclose(
       c.logprobs, dense.logprobs[row, :n], atol=1e-5, rtol=0, err_msg=f'row {row}'
     )
+
+
+# ----------------------------------------------------------------------------
+# 9. Per-sample controls: max / min new tokens, bias and bans, stop sequences.
+# ----------------------------------------------------------------------------
+
+
+def _first_end(tokens, sequences, min_new=0):
+  """Length of `tokens` cut after the first stop sequence that ends at index ≥
+  min_new (the written-out rule), or None."""
+  for end in range(1, len(tokens) + 1):
+    if end <= min_new:
+      continue
+    for seq in sequences:
+      if end >= len(seq) and list(tokens[end - len(seq) : end]) == list(seq):
+        return end
+  return None
+
+
+def test_per_sample_max_new_tokens_cut_each_sample_of_a_group():
+  _, params = _model()
+  budgets = [1, 12, 4, 7]
+  for settings in ({'greedy': True}, {'temperature': 1.0}):
+    uncut_requests = [
+      Request(prompt=p, max_new_tokens=MAX_NEW, seed=40 + i, **settings)
+      for i, p in enumerate(_prompts((3, 9, 16)))
+    ]
+    uncut = _sampler().generate(params, uncut_requests, group_size=4)
+    cut_requests = [dataclasses.replace(r, max_new_tokens=budgets) for r in uncut_requests]
+    sampler = _sampler()
+    cut = sampler.generate(params, cut_requests, group_size=4)
+    for b, (row, full) in enumerate(zip(cut, uncut, strict=True)):
+      for g, (c, w) in enumerate(zip(row, full, strict=True)):
+        # Same key, same tokens: the budget only cuts the sample.
+        assert len(c.tokens) == budgets[g] and c.finish_reason == 'length', (b, g)
+        np.testing.assert_array_equal(c.tokens, w.tokens[: budgets[g]], err_msg=f'{b} {g}')
+        np.testing.assert_allclose(c.logprobs, w.logprobs[: budgets[g]], atol=1e-6)
+    assert sampler.stats.generated_tokens == 3 * sum(budgets)
+  # Unshared prompts take the same budgets per sample.
+  unshared = _sampler().generate(params, cut_requests, group_size=4, share_prompt=False)
+  _assert_same(unshared, cut, logp_atol=1e-6)
+  with pytest.raises(ValueError, match='max_new_tokens'):
+    _sampler().generate(params, cut_requests, group_size=3)
+
+
+def test_min_new_tokens_forbids_stop_tokens_before_it():
+  _, params = _model()
+  # Four tokens of 64 stop: without a minimum some samples end in their first tokens.
+  stop = tuple(range(0, 64, 16))
+  base = _requests(({'temperature': 1.0},), seed=21, stop_tokens=stop)
+  base = [dataclasses.replace(r, max_new_tokens=MAX_NEW) for r in base]
+  free = _flat(_sampler().generate(params, base, group_size=4))
+  assert sum(len(c.tokens) <= 3 for c in free) > 2  # the minimum has something to do
+  requests = [dataclasses.replace(r, min_new_tokens=[0, 1, 3, 5]) for r in base]
+  groups = _sampler().generate(params, requests, group_size=4)
+  logits = _reference_logits(params, requests, groups)
+  rows = [(r, g, c) for r, group in zip(requests, groups, strict=True) for g, c in enumerate(group)]
+  stopped_after_min = 0
+  for i, ((r, g, c), logits_nxV) in enumerate(zip(rows, logits, strict=True)):
+    m = r.min_new_tokens[g]
+    assert not set(c.tokens[:m].tolist()) & set(stop), f'row {i}: a stop token before {m}'
+    stopped_after_min += m > 0 and c.finish_reason == 'stop'  # allowed from token m on
+    for t, tok in enumerate(c.tokens):
+      z = logits_nxV[t].copy()
+      if t < m:
+        z[list(stop)] = -np.inf  # the distribution sampled from
+      np.testing.assert_allclose(
+        c.logprobs[t], _np_log_softmax(z)[tok], atol=1e-5, rtol=0, err_msg=f'row {i} token {t}'
+      )
+  assert stopped_after_min > 0
+  # Greedy: the minimum against the naive decoder with the stop logits masked.
+  greedy = Request(prompt=_prompts((5,))[0], max_new_tokens=8, greedy=True)
+  run = _naive_greedy(params, greedy.prompt, 8)[0]
+  (c,) = _sampler().generate(
+    params, [dataclasses.replace(greedy, stop_tokens=(run[0],), min_new_tokens=1)]
+  )[0]
+  assert c.tokens[0] != run[0]  # the argmax was a stop token: the runner-up is drawn
+  (c,) = _sampler().generate(params, [dataclasses.replace(greedy, stop_tokens=(run[0],))])[0]
+  assert c.tokens.tolist() == [run[0]] and c.finish_reason == 'stop'
+
+
+def test_banned_tokens_and_logit_bias():
+  _, params = _model()
+  base = _requests(({'temperature': 1.0}, {'temperature': 0.7, 'top_k': 6}), seed=23)
+  free = _flat(_sampler().generate(params, base, group_size=4))
+  counts = np.bincount(np.concatenate([c.tokens for c in free]), minlength=CFG.vocab_size)
+  banned = tuple(int(t) for t in np.argsort(-counts)[:4])  # the most drawn tokens
+  bias = {7: 2.0, 11: -1.5}
+  requests = [dataclasses.replace(r, banned_tokens=banned, logit_bias=bias) for r in base]
+  groups = _sampler().generate(params, requests, group_size=4)
+  logits = _reference_logits(params, requests, groups)
+  rows = [(r, c) for r, group in zip(requests, groups, strict=True) for c in group]
+  for i, ((r, c), logits_nxV) in enumerate(zip(rows, logits, strict=True)):
+    assert not set(c.tokens.tolist()) & set(banned), f'row {i}'
+    for t, tok in enumerate(c.tokens):
+      z = logits_nxV[t].copy()
+      z[list(banned)] = -np.inf
+      for k, v in bias.items():
+        z[k] += v
+      _, logp = _np_truncated(z, r.temperature, r.top_k, r.top_p)
+      np.testing.assert_allclose(c.logprobs[t], logp[tok], atol=1e-5, rtol=0, err_msg=f'{i} {t}')
+  # Greedy: the argmax over the unbanned tokens; a large bias wins every step.
+  prompt = _prompts((6,))[0]
+  run = _naive_greedy(params, prompt, 6)[0]
+  ban = Request(prompt=prompt, max_new_tokens=6, greedy=True, banned_tokens=(run[0],))
+  (c,) = _sampler().generate(params, [ban])[0]
+  want = int(np.argsort(_reference_logits(params, [ban], [[c]])[0][0])[-2])
+  assert c.tokens[0] == want != run[0]
+  forced = dataclasses.replace(ban, banned_tokens=(), logit_bias={13: 1e4})
+  (c,) = _sampler().generate(params, [forced])[0]
+  assert c.tokens.tolist() == [13] * 6
+  np.testing.assert_allclose(c.logprobs, 0.0, atol=1e-6)
+
+
+def test_stop_sequences_cut_exactly():
+  _, params = _model()
+  for settings in ({'greedy': True}, {'temperature': 1.0}):
+    base = [
+      Request(prompt=p, max_new_tokens=MAX_NEW, seed=60 + i, **settings)
+      for i, p in enumerate(_prompts((2, 7, 13)))
+    ]
+    uncut = _sampler().generate(params, base, group_size=2)
+    requests, want = [], []
+    for b, (r, group) in enumerate(zip(base, uncut, strict=True)):
+      toks = group[0].tokens.tolist()
+      # A 3-token sequence from the middle and a 2-token one from later; for
+      # b = 2 the first ends at token 3 < min_new = 5, so it is not honoured there.
+      seqs = [toks[1:3] if b == 2 else toks[3 + b : 6 + b], toks[8:10]]
+      min_new = 5 if b == 2 else 0
+      requests.append(dataclasses.replace(r, stop_sequences=seqs, min_new_tokens=min_new))
+      want.append([_first_end(c.tokens.tolist(), seqs, min_new) for c in group])
+    groups = _sampler().generate(params, requests, group_size=2)
+    assert all(w[0] is not None for w in want)  # every sequence occurs in sample 0
+    assert _first_end(uncut[2][0].tokens.tolist(), requests[2].stop_sequences) <= 3 < want[2][0]
+    for b, (row, full) in enumerate(zip(groups, uncut, strict=True)):
+      for g, (c, w) in enumerate(zip(row, full, strict=True)):
+        end = want[b][g]
+        if end is None:
+          assert c.finish_reason == 'length' and len(c.tokens) == MAX_NEW
+        else:
+          assert c.finish_reason == 'stop' and len(c.tokens) == end, (b, g, settings)
+        np.testing.assert_array_equal(c.tokens, w.tokens[: len(c.tokens)])
+  never = Request(prompt=[1, 2], max_new_tokens=4, greedy=True, stop_sequences=[[63, 63, 63, 63]])
+  (c,) = _sampler().generate(params, [never])[0]
+  assert c.finish_reason == 'length' and len(c.tokens) == 4
+
+
+@pytest.mark.parametrize(
+  'change, field',
+  [
+    ({'min_new_tokens': 5, 'max_new_tokens': 4}, 'min_new_tokens'),
+    ({'max_new_tokens': [4, 4, 4]}, 'max_new_tokens'),
+    ({'banned_tokens': tuple(range(9))}, 'max_bias_tokens'),
+    ({'banned_tokens': (64,)}, 'banned_tokens'),
+    ({'logit_bias': {3: float('inf')}}, 'logit_bias'),
+    ({'stop_sequences': [[1], [2], [3]]}, 'max_stop_sequences'),
+    ({'stop_sequences': [[1, 2, 3, 4, 5]]}, 'max_stop_len'),
+    ({'stop_sequences': [[]]}, 'max_stop_len'),
+  ],
+)
+def test_bad_controls_are_refused(change, field):
+  bad = Request(prompt=[1], **{'max_new_tokens': 4, **change})
+  with pytest.raises(ValueError, match=field):
+    _sampler().generate(_model()[1], [bad], group_size=2)
+
+
+# ----------------------------------------------------------------------------
+# 10. Batched and chunked prefill.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('window', [None, 5])
+def test_batched_and_chunked_prefill_equal_one_at_a_time(window):
+  cfg = CFG if window is None else CFG.replace(family='mistral', sliding_window=window)
+  graphdef, params = _model(cfg)
+  lens = (1, 3, 4, 9, 16, 11)
+  prompts = _prompts(lens)
+  tokens = np.zeros((len(lens), MAX_PROMPT), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, : len(p)] = p
+  one = jax.jit(functools.partial(engine.prefill, graphdef))
+  batch = jax.jit(functools.partial(engine.prefill_batch, graphdef), static_argnames=('chunk',))
+  alone = [one(params, jnp.asarray(tokens[i]), jnp.int32(n)) for i, n in enumerate(lens)]
+  for chunk in (None, 4, 8):
+    got = batch(params, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), chunk=chunk)
+    assert got.k.shape == (len(lens), cfg.num_layers, cfg.num_kv_heads, MAX_PROMPT, cfg.head_dim)
+    for i, (n, want) in enumerate(zip(lens, alone, strict=True)):
+      where = f'prompt {i} chunk {chunk}'
+      # Keys and values of the real tokens (padding positions are never read).
+      np.testing.assert_allclose(got.k[i, :, :, :n], want.k[:, :, :n], atol=1e-5, err_msg=where)
+      np.testing.assert_allclose(got.v[i, :, :, :n], want.v[:, :, :n], atol=1e-5, err_msg=where)
+      np.testing.assert_allclose(got.logits[i], want.logits, atol=1e-5, rtol=0, err_msg=where)
+      assert int(got.length[i]) == n
+  # And the model's own full-sequence logits at the last prompt token.
+  full = _logits(graphdef, params, *_padded(prompts))
+  for i, n in enumerate(lens):
+    np.testing.assert_allclose(alone[i].logits, full[i, n - 1], atol=1e-5, rtol=0)
+
+
+def test_sampler_with_batched_chunked_prefill_samples_the_same():
+  _, params = _model()
+  requests = _requests(MIXED, seed=29, stop_tokens=(5, 17))
+  want = _sampler().generate(params, requests, group_size=2)
+  # Chunks of 5 tokens: one bucket of 20, as many chunks as the longest prompt needs.
+  for kwargs in ({'prefill_chunk': 5}, {'prefill_chunk': 8, 'max_prefill_batch': 1}):
+    sampler = Sampler(
+      _model()[0], CFG, ECFG._replace(num_slots=8), steps_per_dispatch=STEPS, **kwargs
+    )
+    got = sampler.generate(params, requests, group_size=2)
+    _assert_same(got, want, logp_atol=1e-5)
+    assert sampler.stats.prefills == len(requests)
+    if 'max_prefill_batch' not in kwargs:
+      assert sampler.stats.prefill_calls < len(requests)  # several prompts per call
+  with pytest.raises(ValueError, match='prefill_chunk'):
+    Sampler(_model()[0], CFG, ECFG, prefill_chunk=0)
+
+
+# ----------------------------------------------------------------------------
+# 11. Data-parallel replicas and compaction.
+# ----------------------------------------------------------------------------
+
+# 16 slots: 2 per replica on 8 devices.
+REPLICA_ECFG = ECFG._replace(num_slots=16)
+
+
+@functools.cache
+def _replica_run():
+  """The single-device, single-replica reference for the replica tests."""
+  _, params = _model()
+  requests = _requests(MIXED, seed=31, stop_tokens=(5, 40))
+  sampler = Sampler(_model()[0], CFG, REPLICA_ECFG, steps_per_dispatch=STEPS, compaction=False)
+  return requests, sampler.generate(params, requests, group_size=2)
+
+
+def test_replicas_on_one_device_sample_the_same_and_stay_isolated():
+  _, params = _model()
+  requests, want = _replica_run()
+  sampler = Sampler(_model()[0], CFG, REPLICA_ECFG, steps_per_dispatch=STEPS, replicas=4)
+  state = sampler.init_state()
+  assert state.k_pages[0].shape[0] == 4 and state.page_table.shape[:2] == (4, 4)
+  _assert_same(sampler.generate(params, requests, group_size=2), want, logp_atol=1e-6)
+  # Garbage in every page no slot holds, the other replicas' included, changes nothing.
+  dirty = sampler.generate(params, requests, group_size=2, state=_poison(state, np.nan))
+  _assert_same(dirty, want, logp_atol=1e-6)
+  with pytest.raises(ValueError, match='replicas'):
+    sampler.generate(params, requests, group_size=8)
+  with pytest.raises(ValueError, match='replicas'):
+    Sampler(_model()[0], CFG, REPLICA_ECFG, replicas=3)
+
+
+def test_replicas_on_eight_devices_equal_one_device():
+  mesh_shape = (8, 1, 1)
+  graphdef, sparams = _sharded_model(CFG, mesh_shape)
+  mesh = parallel.make_mesh(*mesh_shape)
+  requests, want = _replica_run()
+  sampler = Sampler(graphdef, CFG, REPLICA_ECFG, steps_per_dispatch=STEPS, mesh=mesh, replicas=8)
+  state = sampler.init_state()
+  # Each device holds one replica: its 2 slots and its own page pool.
+  for leaf in (state.k_pages[0], state.page_table, state.free_stack):
+    assert leaf.sharding.spec == P('data')
+    assert {s.data.shape[0] for s in leaf.addressable_shards} == {1}
+  got = sampler.generate(sparams, requests, group_size=2)
+  _assert_same(got, want, logp_atol=1e-5)
+  assert sampler.last_state.page_table.sharding.spec == P('data')
+
+
+def _decode_flops(replicas, num_slots=64):
+  mesh_shape = (8, 1, 1)
+  graphdef, sparams = _sharded_model(CFG, mesh_shape)
+  mesh = parallel.make_mesh(*mesh_shape)
+  ecfg = ECFG._replace(num_slots=num_slots)
+  sampler = Sampler(graphdef, CFG, ecfg, mesh=mesh, replicas=replicas)
+  m = ecfg.max_pages_per_slot
+  lowered = sampler._generate.lower(
+    sparams, sampler.init_state(), num_steps=1, max_pages=m, truncate=False
+  )
+  cost = lowered.compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return cost['flops'], cost['bytes accessed']
+
+
+def test_decode_work_per_device_on_data8_is_an_eighth_of_the_replicated_layout():
+  """Per-device FLOPs and bytes of one compiled decode dispatch (XLA's cost
+  analysis of the partitioned program): 8 replicas against today's layout,
+  where every device decodes all 64 slots. Bytes fall less than FLOPs: every
+  device still reads all of the (replicated) weights each step."""
+  flops_1, bytes_1 = _decode_flops(1)
+  flops_8, bytes_8 = _decode_flops(8)
+  print(
+    f'per-device decode: flops {flops_1:.0f} -> {flops_8:.0f}, bytes {bytes_1:.0f} -> {bytes_8:.0f}'
+  )
+  assert flops_8 <= flops_1 / 6, (flops_8, flops_1)
+  assert bytes_8 <= bytes_1 / 2, (bytes_8, bytes_1)
+
+
+def test_compaction_samples_the_same():
+  _, params = _model()
+  # Long tail: one long sample per group, the rest short.
+  requests = [
+    dataclasses.replace(r, max_new_tokens=[MAX_NEW, 2, 3, 1]) for r in _requests(MIXED, seed=37)
+  ]
+  make = lambda compaction: Sampler(
+    _model()[0], CFG, ECFG._replace(num_slots=16), steps_per_dispatch=2, compaction=compaction
+  )
+  plain, compacted = make(False), make(True)
+  want = plain.generate(params, requests, group_size=4)
+  got = compacted.generate(params, requests, group_size=4)
+  assert plain.stats.compactions == 0 and compacted.stats.compactions >= 1
+  _assert_same(got, want, logp_atol=1e-6)
+  assert compacted.last_state.page_table.shape[1] < 16
+  st = jax.device_get(compacted.last_state)
+  assert st.free_top.tolist() == [ECFG.num_pages - 1] and not st.refcount.any()
+
+
+def test_compilation_cache_persists_programs(tmp_path):
+  """A second process with the same cache directory loads the sampler's
+  programs instead of compiling them (run in subprocesses: the cache is set
+  up once per process)."""
+  import subprocess
+  import sys
+  import textwrap
+
+  script = textwrap.dedent(f"""
+    import jax
+    from jrl import sampler
+    import jrl.models as M
+    sampler.enable_compilation_cache({str(tmp_path / 'xla_cache')!r})
+    hits = []
+    jax.monitoring.register_event_listener(
+      lambda name, **kw: hits.append(name) if name == '/jax/compilation_cache/cache_hits' else None
+    )
+    cfg = M.ModelConfig(vocab_size=64, width=32, mlp_width=64, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=8)
+    graphdef, params = M.create(cfg, jax.random.key(0))
+    ecfg = sampler.EngineConfig(num_slots=2, num_pages=16, page_size=4, max_prompt_len=8,
+                                max_new_tokens=4)
+    smp = sampler.Sampler(graphdef, cfg, ecfg)
+    smp.generate(params, [sampler.Request(prompt=[1, 2, 3], max_new_tokens=4, greedy=True)])
+    print('HITS', len(hits))
+  """)
+  runs = [
+    subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
+    for _ in range(2)
+  ]
+  for r in runs:
+    assert r.returncode == 0, r.stderr[-2000:]
+  first, second = (int(r.stdout.split('HITS')[-1]) for r in runs)
+  assert any((tmp_path / 'xla_cache').iterdir())
+  assert first == 0 and second >= 3  # admit, generate, free at least came from disk
