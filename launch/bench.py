@@ -2,11 +2,19 @@
 
     python launch/bench.py logprobs [--tokens 2048 --vocab 32768 --width 256 --chunk 256]
     python launch/bench.py model [--size cpu-20m|cpu-moe-60m|gpu-0.5b|gpu-moe-1b --seq 256]
+    python launch/bench.py model --size real --batch 2 --seq 256 --remat none,full --lora_rank 0,16
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py grpo [--setup default|larger --steps 4]
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40]
+
+`model`: forward and forward+backward tokens/s and MFU of a random model of
+one of MODEL_SIZES (`real`: SmolLM2-135M-Instruct's shape), once per
+`--remat` policy and `--lora_rank` (0: full fine-tuning; r: adapters on
+every projection, gradients for the adapters only), with XLA's compiled
+temporary memory of the step and the bytes of parameters + gradients +
+Adam moments it needs.
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -131,6 +139,19 @@ MODEL_SIZES = {
     experts_per_token=2,
     moe_mlp_width=704,
   ),
+  # SmolLM2-135M-Instruct (the issue-15 model; launch/prepare_model.py) with random weights.
+  'real': dict(
+    vocab_size=49152,
+    width=576,
+    mlp_width=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    tie_embeddings=True,
+    rms_eps=1e-5,
+    rope_theta=100000.0,
+  ),
   # The shape of Qwen2.5-0.5B (~494M parameters).
   'gpu-0.5b': {**costmodel.MODEL_PRESETS['qwen2.5-0.5b'], 'family': 'qwen2'},
   # Qwen3-30B-A3B's layers at a quarter of the depth and experts: 32 experts, top 8.
@@ -172,43 +193,77 @@ def model_flops_per_token(config, seq):
 
 
 def bench_model(args):
+  """Forward, then forward+backward per (remat policy, LoRA rank)."""
+  import optax
+
   from jrl import models
+  from jrl.models import lora
 
-  config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
-  if config.num_experts:
-    config = config.replace(moe_impl=args.moe_impl)
-  graphdef, params = models.create(config, jax.random.PRNGKey(0))
+  base = models.ModelConfig(
+    **MODEL_SIZES[args.size], compute_dtype=args.compute_dtype, scan_layers=args.scan
+  )
+  if base.num_experts:
+    base = base.replace(moe_impl=args.moe_impl)
   b, t = args.batch, args.seq
-  tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0, config.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0, base.vocab_size)
   mask = jnp.ones((b, t), bool)
-
-  def loss_fn(p):
-    logp, _ = models.next_token_logprobs(graphdef, p, tokens, mask)
-    return -jnp.mean(logp[:, 1:])
-
-  fwd = jax.jit(loss_fn)
-  fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
   backend = jax.default_backend()
   print(
-    f'model {args.size}: {config.num_params() / 1e6:.1f}M params '
-    f'({config.num_params(active=True) / 1e6:.1f}M active), batch {b}x{t}, '
-    f'compute {config.compute_dtype}, backend {backend} ({jax.devices()[0].device_kind})'
+    f'model {args.size}: {base.num_params() / 1e6:.1f}M params '
+    f'({base.num_params(active=True) / 1e6:.1f}M active), batch {b}x{t}, '
+    f'compute {base.compute_dtype}, scan_layers {base.scan_layers}, '
+    f'backend {backend} ({jax.devices()[0].device_kind})'
   )
-  flops_tok = model_flops_per_token(config, t)
-  for name, fn, mult in (('forward', fwd, 1), ('forward+backward', fwd_bwd, 3)):
+  flops_tok = model_flops_per_token(base, t)
+
+  def run(name, fn, fn_args, mult):
     # Peak measured next to each run, so both see the same machine load.
     peak = measure_matmul_peak(dtype=args.peak_dtype)
     start = time.perf_counter()
-    compiled = fn.lower(params).compile()
+    compiled = fn.lower(*fn_args).compile()
     compile_s = time.perf_counter() - start
-    sec = _median_seconds(compiled, (params,), args.repeats)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    sec = _median_seconds(compiled, fn_args, args.repeats)
     tok_s = b * t / sec
     mfu = tok_s * flops_tok * mult / peak
     print(
-      f'  {name:17s} {tok_s:10.0f} tokens/s  {1e3 * sec:9.1f} ms/step  '
-      f'MFU {100 * mfu:5.1f}% of a {peak / 1e9:.0f} GFLOP/s {args.peak_dtype} matmul peak  '
-      f'(compile {compile_s:.1f} s)'
+      f'  {name:30s} {tok_s:8.0f} tokens/s {1e3 * sec:9.1f} ms/step  MFU {100 * mfu:5.1f}% '
+      f'of {peak / 1e9:.0f} GFLOP/s ({args.peak_dtype})  temp {temp / 2**20:7.1f} MiB  '
+      f'(compile {compile_s:.1f} s)',
+      flush=True,
     )
+
+  graphdef, params = models.create(base, jax.random.PRNGKey(0))
+
+  def loss_of(graphdef):
+    def loss_fn(trainable, frozen):
+      p = trainable if frozen is None else lora.join(trainable, frozen)
+      logp, _ = models.next_token_logprobs(graphdef, p, tokens, mask)
+      return -jnp.mean(logp[:, 1:])
+
+    return loss_fn
+
+  run('forward', jax.jit(loss_of(graphdef)), (params, None), 1)
+  del params
+  for remat in args.remat.split(','):
+    for rank in [int(r) for r in args.lora_rank.split(',')]:
+      lora_config = models.LoraConfig(rank=rank, alpha=2.0 * rank) if rank else None
+      config = base.replace(remat=remat, lora=lora_config)
+      graphdef, params = models.create(config, jax.random.PRNGKey(0))
+      trainable, frozen = lora.split(params) if rank else (params, None)
+      opt_state = jax.eval_shape(optax.adamw(1e-5).init, trainable)
+      state = lora.num_bytes(params) + lora.num_bytes(trainable) + lora.num_bytes(opt_state)
+      # Model FLOPs: forward 1x, activation gradients 1x, weight gradients 1x
+      # (none for a frozen base); recomputation is not counted.
+      mult = 2 if rank else 3
+      n_train = sum(x.size for x in jax.tree.leaves(trainable))
+      name = f'fwd+bwd remat={remat} lora={rank or "-"}'
+      print(
+        f'  {name:30s} trainable {n_train / 1e6:6.1f}M params; params + '
+        f'grads + Adam {state / 2**30:.2f} GiB'
+      )
+      run(name, jax.jit(jax.value_and_grad(loss_of(graphdef))), (trainable, frozen), mult)
+      del params, trainable, frozen
 
 
 def bench_sampler(args):
@@ -700,6 +755,9 @@ def main():
   p.add_argument('--peak_dtype', default='float32', help='dtype of the peak-measuring matmul')
   p.add_argument('--repeats', type=int, default=5)
   p.add_argument('--moe_impl', choices=('ragged', 'dense'), default='ragged', help='MoE dispatch')
+  p.add_argument('--remat', default='none', help='policies, comma-separated (none,full,...)')
+  p.add_argument('--lora_rank', default='0', help='LoRA ranks, comma-separated (0: full)')
+  p.add_argument('--scan', action='store_true', help='scan the layers')
   p = sub.add_parser('sampler', help='paged sampler vs dense static-batch baseline')
   p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
   p.add_argument('--compute_dtype', default='float32')

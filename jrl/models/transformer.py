@@ -607,23 +607,33 @@ def _after_cotangent(fn):
   every checkpointed block at the start of the backward pass, where all
   their activations are alive at once and nothing is saved (XLA:CPU does
   this, and drops the optimisation barrier meant to prevent it). Adding
-  0 · (one element of the cotangent) to the saved residuals makes each
-  recomputation depend on the cotangent; XLA does not fold x·0 for floats.
-  A non-finite cotangent makes the residuals NaN, but then this block's
-  gradients were not finite anyway.
+  0 · (one element of the cotangent) to the saved activations (not to the
+  weights, which would be copied) makes each recomputation depend on the
+  cotangent; XLA does not fold x·0 for floats. A non-finite cotangent makes
+  them NaN, but then this block's gradients were not finite anyway.
   """
+
+  weights = []  # per residual: whether it is a parameter of the block (set by `fwd`)
 
   @jax.custom_vjp
   def wrapped(state, x):
     return fn(state, x)
 
   def fwd(state, x):
-    return jax.vjp(fn, state, x)
+    out, vjp_fn = jax.vjp(fn, state, x)
+    param_ids = {id(leaf) for leaf in jax.tree.leaves(state)}
+    weights[:] = [id(r) in param_ids for r in jax.tree.leaves(vjp_fn)]
+    return out, vjp_fn
 
   def bwd(vjp_fn, cotangent):
     zero = jax.tree.leaves(cotangent)[0].reshape(-1)[0] * 0
-    tie = lambda r: r + zero.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r
-    return jax.tree.map(tie, vjp_fn)(cotangent)
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    # Activations only: the weights need no tie, and tying them would copy them.
+    tied = [
+      r + zero.astype(r.dtype) if not w and jnp.issubdtype(r.dtype, jnp.floating) else r
+      for r, w in zip(leaves, weights, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, tied)(cotangent)
 
   wrapped.defvjp(fwd, bwd)
   return wrapped

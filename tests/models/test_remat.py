@@ -95,6 +95,28 @@ def test_scanned_remat_matches_on_windowed_and_moe_models(base):
   _assert_trees_close(grads, grads_ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize('scan', [False, True])
+def test_remat_with_lora_gives_the_same_adapter_gradients(scan):
+  from jrl.models import lora
+
+  cfg = CFG.replace(lora=M.LoraConfig(rank=2, alpha=4.0))
+  _, params = M.create(cfg, KEY)
+  # Non-zero B, so that every adapter gets a gradient.
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: x + 0.1 if lora.is_adapter(p) else x, params
+  )
+  adapters, base = lora.split(params)
+
+  def grads(c):
+    loss = _loss_fn(c)
+    return jax.jit(jax.value_and_grad(lambda a: loss(lora.join(a, base))))(adapters)
+
+  loss_ref, grads_ref = grads(cfg)
+  loss, got = grads(cfg.replace(remat='full', scan_layers=scan))
+  np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6)
+  _assert_trees_close(got, grads_ref, rtol=1e-5, atol=1e-7)
+
+
 def test_remat_gradients_without_jit():
   params, loss_ref, grads_ref = _reference(CFG)
   loss, grads = jax.value_and_grad(_loss_fn(CFG.replace(remat='full')))(params)
