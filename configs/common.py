@@ -172,6 +172,11 @@ def base():
   c.log.every = 1  # iterations between console lines
   c.log.tensorboard = True
   c.log.plot = True  # workdir/curves.png at the end
+  c.log.samples_every = 10  # RL iterations between sample completions logged (0: never)
+  c.log.wandb_project = ''  # Weights & Biases project ('' = off; pip install -e ".[wandb]")
+  c.log.wandb_mode = 'offline'  # 'offline' (workdir/wandb, no network) | 'online'
+  c.log.wandb_entity = ''  # W&B team or user ('' = the default)
+  c.log.wandb_name = ''  # W&B run name ('' = the workdir's name)
   c.log.trace = True  # workdir/trace.json: per-stage spans (Perfetto / chrome://tracing)
   return c
 

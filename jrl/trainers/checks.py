@@ -118,6 +118,7 @@ FIELDS = {
   'sft.lr': positive(),
   'sft.warmup_steps': count(0),
   'rl.steps': count(0),
+  'log.samples_every': count(0),
   'rl.prompts_per_step': count(1),
   'rl.group_size': count(1),
   'rl.max_prompt_len': count(1),

@@ -46,6 +46,7 @@ class Job(NamedTuple):
   topology: Any = None  # jrl.trainers.topology strategy (online algorithms)
   shaper: Any = None  # online.RewardShaper (online algorithms)
   reward_errors: Callable = list  # () -> the reward service's latest errors
+  samples: Callable = list  # () -> the latest batch's example completions (dicts)
   close: Callable = lambda: None  # stops reward workers
   steps: Any = None  # the jitted steps, for benchmarks and tests
 
@@ -179,6 +180,11 @@ def train(job):
       if due(config.eval.every, it):
         m.update(job.evaluate(state))
       writer.write(it, m)
+      every = config.log.samples_every
+      if every and not in_sft and it % every == 0:
+        samples = job.samples()
+        if samples:
+          writer.write_samples(it, samples)
       unscored = mostly_unscored(m, config.reward.max_unscored_frac, job.reward_errors())
       progress.unscored_run = progress.unscored_run + 1 if unscored else 0
       if progress.unscored_run >= config.reward.max_unscored_steps:

@@ -164,6 +164,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
     topology=topo,
     shaper=shaper,
     reward_errors=lambda: worker.last_errors,
+    samples=lambda: getattr(worker, 'last_samples', []),
     close=worker.close,
     steps=(warmup, steps),
   )

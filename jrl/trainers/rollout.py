@@ -273,6 +273,7 @@ class RolloutWorker:
     )
     self.scorer, self.sandbox_level = make_scorer(config.reward, res.tokenizer, mesh, res.is_main)
     self.last_errors = []  # the reward service's first errors of the latest batch
+    self.last_samples = []  # the latest batch's first group, for the sample log
 
   def evaluate(self, params):
     return self.held_out.evaluate(params)
@@ -408,6 +409,15 @@ class RolloutWorker:
     requests = [k[0] for k in kept]
     groups = [k[1] for k in kept]
     rewards_np = np.concatenate([k[2] for k in kept]).astype(np.float32)
+    self.last_samples = [
+      {
+        'prompt': decode(self.tokenizer, requests[0].prompt, ()),
+        'completion': decode(self.tokenizer, c.tokens, self.stop_tokens),
+        'reward': float(kept[0][2][k]),
+        'finish_reason': c.finish_reason,
+      }
+      for k, c in enumerate(groups[0])
+    ]
 
     # Rows: prompt + completion, with the sampler's logprobs on the completion.
     prompts = [r.prompt for r in requests for _ in range(g)]

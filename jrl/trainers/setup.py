@@ -224,7 +224,21 @@ def writer(config, workdir, total, start):
     resume_step=start,
     tensorboard=config.log.tensorboard,
     log_every=config.log.every,
+    wandb=_wandb_settings(config),
   )
+
+
+def _wandb_settings(config):
+  """`log.wandb_*` as MetricsWriter's `wandb` argument (None: off)."""
+  if not config.log.wandb_project:
+    return None
+  return {
+    'project': config.log.wandb_project,
+    'mode': config.log.wandb_mode,
+    'entity': config.log.wandb_entity,
+    'name': config.log.wandb_name,
+    'config': json.loads(config.to_json_best_effort()),
+  }
 
 
 def write_trace(res):

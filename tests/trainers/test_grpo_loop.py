@@ -34,6 +34,7 @@ import pytest
 from configs import common as config_common
 from configs import grpo_arith
 from jrl import checkpoint as ckpt_lib
+from jrl import metrics as metrics_lib
 from jrl import models, rewards, trainers
 from jrl.trainers import checks, common, controller, grpo, policy
 from jrl.trainers.optim import make_optimizer
@@ -903,3 +904,32 @@ def test_trl_objectives_train(tmp_path, overrides):
   (record,) = records(config.workdir)
   assert np.isfinite(record['actor/pg_loss']) and record['actor/nonfinite'] == 0.0
   assert int(state.step) == 2  # two minibatches
+
+
+def test_sample_completions_are_logged_every_n_iterations(tmp_path, capsys):
+  """`log.samples_every`: the first group's completions with their rewards, on
+  the console and in samples.jsonl, at RL iterations that are multiples of it."""
+  config = shrunk_config(tmp_path, {**QUIET, 'sft.steps': 0, 'rl.steps': 4, 'log.samples_every': 2})
+  trainers.run(config)
+  rows = metrics_lib.read_jsonl(os.path.join(config.workdir, 'samples.jsonl'))
+  assert sorted({r['step'] for r in rows}) == [2, 4]
+  assert len(rows) == 2 * config.rl.group_size
+  recs = {r['step']: r for r in records(config.workdir)}
+  for step in (2, 4):
+    group = [r for r in rows if r['step'] == step]
+    assert len({r['prompt'] for r in group}) == 1 and all(r['prompt'] for r in group)
+    assert all(r['reward'] in (0.0, 1.0) for r in group)  # exact_match
+    assert np.isfinite(recs[step]['reward/mean'])
+  assert 'sample @ 2 (reward' in capsys.readouterr().out
+
+
+def test_wandb_offline_from_config(tmp_path, monkeypatch):
+  """`log.wandb_project` turns on the W&B writer (offline: no network)."""
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  config = shrunk_config(
+    tmp_path,
+    {**QUIET, 'sft.steps': 1, 'rl.steps': 1, 'log.wandb_project': 'jrl-test'},
+  )
+  trainers.run(config)
+  runs = glob.glob(os.path.join(config.workdir, 'wandb', 'offline-run-*', 'run-*.wandb'))
+  assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
