@@ -19,6 +19,7 @@ import sys
 COMMANDS = {
   'train': ('train.py', 'train with a config (GRPO, PPO, DPO, SFT, reward model, agent)'),
   'eval': ('eval.py', 'held-out evaluation of a run or checkpoint'),
+  'export': ('export.py', 'write a Hugging Face directory from any saved checkpoint'),
   'plan': ('plan.py', 'memory and time plan for a model on a cluster'),
   'bench': ('bench.py', 'benchmarks: model, sampler, logprobs, grpo, rewards, ...'),
   'label': ('label.py', 'label preference pairs with a judge'),

@@ -2,6 +2,7 @@
 subprocess as a user runs it."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,46 @@ def test_errors_keep_their_exit_codes(argv, code):
   out = _run(_jrl(), *argv)
   assert out.returncode == code
   assert out.stderr
+
+
+def test_export_writes_any_saved_step_as_a_hugging_face_directory(tmp_path):
+  """`jrl export --step N` after a run: the directory loads with jrl's HF
+  loader and holds exactly the parameters of checkpoint N."""
+  import jax
+  import numpy as np
+
+  from jrl import trainers
+  from jrl.models import hf
+  from tests.helpers import QUIET, SHRINK, restore, shrunk_config
+
+  fields = {**SHRINK, **QUIET, 'sft.steps': 2, 'rl.steps': 2, 'checkpoint.every': 2}
+  config = shrunk_config(tmp_path / 'run', fields)
+  trainers.run(config)
+  flags = [f'--config.{k}={v}' for k, v in fields.items()]
+  out = tmp_path / 'export_2'
+  result = _run(
+    _jrl(), 'export', '--config', os.path.join(REPO, 'configs/grpo_arith.py'),
+    f'--config.workdir={config.workdir}', *flags, '--step', '2', '--out', str(out),
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert '"checkpoint": 2' in result.stdout
+  loaded = hf.load(str(out))
+  saved, _ = restore(config.workdir, step=2)
+
+  # The checkpoint's pytree and the loader's differ in container types, not in
+  # leaves: pair the leaves by their key paths.
+  def by_path(tree):
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+
+    # keystr gives "['embed']['embedding'].value" for nnx and "...['value']" for
+    # dicts, and [0] for a list index where Orbax's dict has ['0'].
+    def norm(path):
+      key = jax.tree_util.keystr(path).replace('.value', "['value']")
+      return re.sub(r'\[(\d+)\]', r"['\1']", key)
+
+    return {norm(p): np.asarray(x) for p, x in flat}
+
+  want, got = by_path(saved['params']), by_path(loaded.params)
+  assert sorted(got) == sorted(want)
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
