@@ -655,7 +655,10 @@ def workload_from_config(config):
 def trace_model(trace):
   """The ModelConfig a trace was recorded with (None if it does not say)."""
   fields = trace.get('otherData', {}).get('model')
-  return ModelConfig(**fields) if fields else None
+  if not fields:
+    return None
+  # JSON has no tuples: the tuple-valued fields come back as lists.
+  return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 def calibrate(trace, workload=None, model=None, reference_model=None):

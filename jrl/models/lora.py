@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from jrl import distributed, parallel
-from jrl.models import transformer
+from jrl.models import hf_names, transformer
 from jrl.models.config import LORA_TARGETS, LoraConfig
 
 ADAPTER_KEYS = ('lora_a', 'lora_b')
@@ -192,9 +192,7 @@ def merge_host(kernel, lora_a, lora_b, scale):
 
 def _peft_module(kernel_path):
   """PEFT's module name of a jrl kernel path (e.g. 'model.layers.0.self_attn.q_proj')."""
-  from jrl.models import hf
-
-  name, _ = hf.hf_name(tuple(kernel_path) + ('kernel',))
+  name, _ = hf_names.hf_name(tuple(kernel_path) + ('kernel',))
   return name.removesuffix('.weight')
 
 
