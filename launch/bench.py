@@ -13,8 +13,8 @@
 one of MODEL_SIZES (`real`: SmolLM2-135M-Instruct's shape), once per
 `--remat` policy and `--lora_rank` (0: full fine-tuning; r: adapters on
 every projection, gradients for the adapters only), with XLA's compiled
-temporary memory of the step and the bytes of parameters + gradients +
-Adam moments it needs.
+memory of the step (temporaries; peak = inputs + outputs + temporaries)
+and the bytes of parameters + gradients + Adam moments training keeps.
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -222,14 +222,17 @@ def bench_model(args):
     start = time.perf_counter()
     compiled = fn.lower(*fn_args).compile()
     compile_s = time.perf_counter() - start
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    mem = compiled.memory_analysis()
+    temp = mem.temp_size_in_bytes
+    # What the step holds at its peak: inputs, outputs (not donated) and XLA's temporaries.
+    peak_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes + temp
     sec = _median_seconds(compiled, fn_args, args.repeats)
     tok_s = b * t / sec
     mfu = tok_s * flops_tok * mult / peak
     print(
       f'  {name:30s} {tok_s:8.0f} tokens/s {1e3 * sec:9.1f} ms/step  MFU {100 * mfu:5.1f}% '
-      f'of {peak / 1e9:.0f} GFLOP/s ({args.peak_dtype})  temp {temp / 2**20:7.1f} MiB  '
-      f'(compile {compile_s:.1f} s)',
+      f'of {peak / 1e9:.0f} GFLOP/s ({args.peak_dtype})  temp {temp / 2**20:6.0f} MiB, '
+      f'step peak {peak_bytes / 2**20:6.0f} MiB  (compile {compile_s:.1f} s)',
       flush=True,
     )
 
