@@ -81,10 +81,11 @@ def test_wandb_run_is_resumed_with_the_same_id(tmp_path, monkeypatch):
   second.write(2, {'reward/mean': 2.0})
   second.close()
   runs = sorted(glob.glob(os.path.join(workdir, 'wandb', 'offline-run-*')))
-  # Offline, the resumed run is a second directory of the same run id.
+  # Offline, the resumed run is a second directory of the same run id; each
+  # holds the steps written in it.
   assert len(runs) == 2 and all(run_id in os.path.basename(r) for r in runs)
-  later = max(runs, key=len)
-  assert _wandb_history(later) == [{'step': 2, 'reward/mean': 2.0}]
+  histories = sorted((_wandb_history(r) for r in runs), key=lambda h: h[0]['step'])
+  assert histories == [[{'step': 1, 'reward/mean': 1.0}], [{'step': 2, 'reward/mean': 2.0}]]
 
 
 def test_a_bad_wandb_mode_is_named(tmp_path):
