@@ -204,8 +204,11 @@ class NullWriter:
   def write(self, step, metrics):
     del step, metrics
 
+  def write_samples(self, step, samples):
+    del step, samples
+
   def close(self):
-    pass
+    """Nothing to close: nothing was opened."""
 
 
 def read_jsonl(path):

@@ -117,3 +117,14 @@ def test_samples_go_to_console_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch
   (row,) = _wandb_history(run_dir)
   assert row['step'] == 2 and row['samples/_type'] == 'table-file'
   assert (row['samples/nrows'], row['samples/ncols']) == (3, 4)
+
+
+def test_the_null_writer_takes_what_the_writer_takes(tmp_path):
+  """Processes other than 0 get a NullWriter: every call the controller makes
+  on a MetricsWriter works on it and writes nothing."""
+  public = {n for n in dir(metrics.MetricsWriter) if not n.startswith('_')}
+  assert public <= set(dir(metrics.NullWriter))
+  null = metrics.NullWriter()
+  null.write(1, {'reward/mean': 1.0})
+  null.write_samples(1, [{'prompt': 'p', 'completion': 'c', 'reward': 1.0}])
+  null.close()
