@@ -5,13 +5,14 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 
 from jrl import metrics
 
 
-def _wandb_history(run_dir):
+def _read_wandb_history(run_dir):
   """The history rows of an offline W&B run, read from its `.wandb` log.
 
   The file is W&B's record log: a 7-byte header, then 32 KiB blocks of
@@ -53,6 +54,17 @@ def _wandb_history(run_dir):
   return rows
 
 
+def _wandb_history(run_dir, rows, timeout_s=30.0):
+  """The run's history once it holds `rows` rows: W&B's writer process may
+  still be flushing the file when `finish()` returns on a busy machine."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    history = _read_wandb_history(run_dir)
+    if len(history) >= rows or time.monotonic() > deadline:
+      return history
+    time.sleep(0.2)
+
+
 def test_wandb_offline_gets_the_same_metrics_as_jsonl(tmp_path, monkeypatch):
   monkeypatch.setenv('WANDB_SILENT', 'true')
   workdir = str(tmp_path / 'run')
@@ -66,7 +78,7 @@ def test_wandb_offline_gets_the_same_metrics_as_jsonl(tmp_path, monkeypatch):
   writer.close()
   jsonl = [{k: v for k, v in r.items() if v is not None} for r in metrics.read_jsonl(writer.path)]
   (run_dir,) = glob.glob(os.path.join(workdir, 'wandb', 'offline-run-*'))
-  assert _wandb_history(run_dir) == jsonl
+  assert _wandb_history(run_dir, len(jsonl)) == jsonl
 
 
 def test_wandb_run_is_resumed_with_the_same_id(tmp_path, monkeypatch):
@@ -84,7 +96,7 @@ def test_wandb_run_is_resumed_with_the_same_id(tmp_path, monkeypatch):
   # Offline, the resumed run is a second directory of the same run id; each
   # holds the steps written in it.
   assert len(runs) == 2 and all(run_id in os.path.basename(r) for r in runs)
-  histories = sorted((_wandb_history(r) for r in runs), key=lambda h: h[0]['step'])
+  histories = sorted((_wandb_history(r, 1) for r in runs), key=lambda h: h[0]['step'])
   assert histories == [[{'step': 1, 'reward/mean': 1.0}], [{'step': 2, 'reward/mean': 2.0}]]
 
 
@@ -114,7 +126,7 @@ def test_samples_go_to_console_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch
   events = glob.glob(os.path.join(workdir, 'tb', 'events.*'))
   assert events and b'samples' in open(events[0], 'rb').read()
   (run_dir,) = glob.glob(os.path.join(workdir, 'wandb', 'offline-run-*'))
-  (row,) = _wandb_history(run_dir)
+  (row,) = _wandb_history(run_dir, 1)
   assert row['step'] == 2 and row['samples/_type'] == 'table-file'
   assert (row['samples/nrows'], row['samples/ncols']) == (3, 4)
 
