@@ -43,29 +43,12 @@ from jrl.metrics import read_jsonl
 from jrl.models import hf as hf_lib
 from jrl.trainers import controller, dpo
 from jrl.trainers.tasks import corrupt_answer
-from tests.helpers import capture
+from tests import helpers
+from tests.helpers import REPO, capture
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# The shrunken job: 2 SFT + 3 RL iterations of 4 prompts x 4 samples, in
-# minibatches of 8 rows; no evaluation, TensorBoard or plot unless a test asks.
-SHRINK = {
-  'model.width': 32,
-  'model.mlp_width': 64,
-  'model.num_layers': 1,
-  'model.head_dim': 8,
-  'task.eval_size': 8,
-  'sft.steps': 2,
-  'sft.batch_size': 8,
-  'rl.steps': 3,
-  'rl.prompts_per_step': 4,
-  'rl.group_size': 4,
-  'rl.minibatch_size': 8,
-  'sampler.num_slots': 16,
-  'eval.every': 0,
-  'log.tensorboard': False,
-  'log.plot': False,
-}
+# The shrunken job of tests/helpers.py, quiet (no evaluation, TensorBoard or
+# plot unless a test asks) and with the config's own checkpoint interval.
+SHRINK = {k: v for k, v in {**helpers.SHRINK, **helpers.QUIET}.items() if k != 'checkpoint.every'}
 
 DIGITS = 'test_algorithms_digit_share'
 
