@@ -15,7 +15,8 @@ def base():
   c.seed = 0  # everything random derives from (seed, iteration)
   c.workdir = 'runs/default'  # checkpoints, metrics.jsonl, tb/, curves.png
   c.tokenizer = 'char'  # 'char' (built in) or a directory with tokenizer.json ('' = model.path)
-  c.export_hf = False  # write workdir/hf_export (safetensors) at the end
+  # write workdir/hf_export (safetensors) at the end; with LoRA also hf_export/adapter (PEFT)
+  c.export_hf = False
   c.max_nonfinite_steps = 5  # stop after this many iterations in a row with skipped updates
 
   c.mesh = ml_collections.ConfigDict()
@@ -42,6 +43,22 @@ def base():
   c.model.init_std = 0.02
   c.model.param_dtype = 'float32'  # master weights
   c.model.compute_dtype = 'float32'  # 'bfloat16' for bf16 matmuls
+  # Training memory (model.path checkpoints too; never written to an export's config.json).
+  # Per-layer activation checkpointing, what the backward pass keeps of a block:
+  #   'none'           everything (no recomputation)
+  #   'full'           only the block's input; the whole block is recomputed
+  #   'dots'           every matmul output but the float32 attention scores
+  #   'dots_no_batch'  the projection outputs, not the [B, H, T, T] scores and probabilities
+  c.model.remat = 'none'
+  c.model.scan_layers = False  # run the layers in one jax.lax.scan (needs every layer alike)
+  # LoRA (Hu et al., 2021): train low-rank adapters on the projections, the base frozen
+  # (no update, no optimiser state). `export_hf` writes the merged weights and, in
+  # hf_export/adapter/, the adapters in PEFT's layout (for the base at `model.path`).
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0  # r (0: off, every parameter trains)
+  c.model.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  # Hugging Face module names, from q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+  c.model.lora.targets = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
 
   c.task = ml_collections.ConfigDict()
   # 'arith' (generated), 'arith_tool' (agentic, generated) or 'file' (alias 'jsonl'):

@@ -15,8 +15,8 @@ character the tokenizer cannot encode or a prompt longer than
 generated example), not when the stream first draws the row mid-run.
 
 `validate(config, batch_shards)` runs `check_fields` and then the checks
-between fields and against the devices (group sizes, minibatches over the
-mesh, the topology).
+between fields and against the devices (the model's remat policy and LoRA
+targets, group sizes, minibatches over the mesh, the topology).
 """
 
 import math
@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 
 from jrl import losses as L
+from jrl.models.config import LORA_TARGETS, REMAT_POLICIES
 from jrl.trainers import policy
 
 GROUP_ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp_baseline')
@@ -101,6 +102,8 @@ FIELDS = {
   'model.num_kv_heads': count(1),
   'model.head_dim': count(1),
   'model.init_std': positive(),
+  'model.lora.rank': count(0),  # 0: off
+  'model.lora.alpha': positive(),
   'task.digits': count(1, hi=9),
   'task.train_seed': count(0),
   'task.eval_seed': count(0),
@@ -309,6 +312,7 @@ def validate(config, batch_shards):
     if not cond:
       raise ValueError(f'`{field}`: {msg}')
 
+  check_model(config.model, config.algorithm)
   need(
     rl.group_size >= 2 or rl.advantage not in GROUP_ESTIMATORS,
     'rl.group_size',
@@ -373,3 +377,30 @@ def validate(config, batch_shards):
     'rl.prompts_per_step',
     f'must be divisible by the number of processes ({jax.process_count()}).',
   )
+
+
+def check_model(model, algorithm):
+  """The non-numeric training-memory fields of `model` (remat, scan_layers,
+  lora); raises ValueError naming the field."""
+  if model.remat not in REMAT_POLICIES:
+    raise ValueError(f'`model.remat` must be one of {REMAT_POLICIES}, got {model.remat!r}.')
+  if not isinstance(model.scan_layers, bool):
+    raise ValueError(f'`model.scan_layers` must be True or False, got {model.scan_layers!r}.')
+  targets = model.lora.targets
+  if isinstance(targets, str) or not isinstance(targets, tuple | list) or not targets:
+    raise ValueError(
+      f'`model.lora.targets` must be a non-empty tuple of names from {list(LORA_TARGETS)}, '
+      f'got {targets!r}.'
+    )
+  unknown = [t for t in targets if t not in LORA_TARGETS]
+  if unknown:
+    raise ValueError(
+      f'`model.lora.targets`: unknown module names {unknown}; choose from {list(LORA_TARGETS)}.'
+    )
+  if len(set(targets)) != len(targets):
+    raise ValueError(f'`model.lora.targets` names a module twice: {targets!r}.')
+  if model.lora.rank and algorithm == 'reward_model':
+    raise ValueError(
+      '`model.lora.rank`: LoRA is not supported for algorithm "reward_model" (its fresh '
+      'score head must train with the whole model); set it to 0.'
+    )

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl import distributed
+from jrl.models import lora
 
 
 class TrainState(NamedTuple):
@@ -92,6 +93,14 @@ def minibatched(fn, params, batch, rows, sharding):
   return jax.device_put(jnp.concatenate(out), sharding)
 
 
+def trained_grads(grads):
+  """The gradients an update applies, as a list: with LoRA adapters in the
+  tree only theirs (`setup.optimizer` freezes the base), else all."""
+  leaves = jax.tree_util.tree_leaves_with_path(grads)
+  adapters = [g for path, g in leaves if lora.is_adapter(path)]
+  return adapters or [g for _, g in leaves]
+
+
 def apply_gradients(
   state, grads, loss, tx, schedule, params_key='params', opt_key='opt_state', accum=1
 ):
@@ -103,9 +112,11 @@ def apply_gradients(
   Returns:
     (new_state, metrics) with `grad_norm`, `lr` and `nonfinite` (1.0 when the
     update was skipped: parameters and optimiser state are left unchanged).
+    With LoRA adapters in the tree, `grad_norm` (and the finiteness check) is
+    over the adapters' gradients, the only ones the optimiser applies.
   """
   params, opt_state = getattr(state, params_key), getattr(state, opt_key)
-  grad_norm = optax.tree.norm(grads)
+  grad_norm = optax.tree.norm(trained_grads(grads))
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   # Zero non-finite gradients so the (discarded) update is computed on finite values.
   grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)

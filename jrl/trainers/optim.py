@@ -3,14 +3,15 @@ gradient accumulation, from optax.
 
 `make_optimizer(config.optim)` reads the narrow `optim` slice of a config and
 returns `(tx, schedule)`; the learning-rate schedule is returned too so the
-trainer can log the rate in effect.
+trainer can log the rate in effect. With `trainable` (LoRA: `lora.trainable_mask`)
+the optimiser runs on the trainable leaves only and the others are frozen.
 """
 
 import jax
 import optax
 
 
-def make_optimizer(optim):
+def make_optimizer(optim, trainable=None):
   """Builds the optimiser from a config slice with fields
 
     lr: peak learning rate.
@@ -20,6 +21,14 @@ def make_optimizer(optim):
     weight_decay, b1, b2, eps: AdamW.
     clip_norm: clip the global gradient norm to this (0: off).
     grad_accum: apply one update per this many train steps (optax.MultiSteps).
+
+  Args:
+    optim: the config slice above.
+    trainable: None (every parameter trains), or params -> a tree of bools
+      like params (e.g. `lora.trainable_mask`). The leaves marked False are
+      frozen: their update is zero and they have no optimiser state (no
+      moments, no accumulated gradients); clipping, weight decay and
+      accumulation see the trainable leaves only (`optax.multi_transform`).
 
   Returns:
     (optax.GradientTransformation, schedule: step -> lr).
@@ -68,4 +77,10 @@ def make_optimizer(optim):
   tx = optax.chain(*parts)
   if int(optim.grad_accum) > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=int(optim.grad_accum))
+  if trainable is not None:
+
+    def labels(params):
+      return jax.tree.map(lambda t: 'train' if t else 'freeze', trainable(params))
+
+    tx = optax.multi_transform({'train': tx, 'freeze': optax.set_to_zero()}, labels)
   return tx, schedule

@@ -106,10 +106,19 @@ def check(config):
 
 def make_critic(config, res, policy_params, key):
   """(graphdef, params) of the critic: `ppo.critic_path` (a reward model's
-  export) if set, else the policy's backbone with a fresh scalar head."""
+  export) if set, else the policy's backbone with a fresh scalar head. The
+  critic takes the policy's `model.remat` and `model.scan_layers`, never its
+  LoRA adapters: all of it trains."""
   if config.ppo.critic_path:
+    m = config.model
     ck = hf_lib.load(
-      config.ppo.critic_path, mesh=res.mesh, lm_head=False, scalar_head=True, head_key=key
+      config.ppo.critic_path,
+      mesh=res.mesh,
+      lm_head=False,
+      scalar_head=True,
+      head_key=key,
+      remat=m.remat,
+      scan_layers=m.scan_layers,
     )
     return ck.graphdef, ck.params
   return setup.critic_from_policy(res.model.config, policy_params, key, res.mesh)
@@ -155,7 +164,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
   critic_optim = config.optim.copy_and_resolve_references()
   with critic_optim.unlocked():
     critic_optim.lr = ppo.critic_lr
-  critic_tx, critic_schedule = make_optimizer(critic_optim)
+  critic_tx, critic_schedule = make_optimizer(critic_optim)  # the whole critic trains
   critic_key = jax.random.PRNGKey(setup.seed(config.seed, 'critic'))
   # The adaptive controller drives the KL penalty in the reward (as in veRL);
   # a KL term in the loss keeps the fixed `rl.kl_coef` it was compiled with.

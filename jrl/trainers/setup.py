@@ -24,6 +24,7 @@ from jrl import distributed, models, parallel, trace
 from jrl import metrics as metrics_lib
 from jrl.data import PromptStream, read_sft_jsonl
 from jrl.models import hf as hf_lib
+from jrl.models import lora as lora_lib
 from jrl.models.tokenizer import load_tokenizer
 from jrl.trainers import checks, common, tasks
 from jrl.trainers.optim import make_optimizer
@@ -136,10 +137,33 @@ def examples(config, enc, tok):
 
 
 def build_model(config, tok, mesh):
-  """(Model, params laid out on `mesh`): from `model.path` or freshly initialised."""
+  """(Model, params laid out on `mesh`): from `model.path` or freshly initialised,
+  with `model.remat` and `model.scan_layers`. With `model.lora.rank` > 0 fresh
+  adapters (A random, B zero) are attached to the base, which is the same as
+  without them: the params then hold `lora_a` / `lora_b` next to each
+  targeted kernel, and the Model's config and graphdef are the adapted ones."""
   m = config.model
+  model, params = _base_model(config, tok, mesh)
+  if m.lora.rank:
+    lora_config = models.LoraConfig(
+      rank=int(m.lora.rank), alpha=float(m.lora.alpha), targets=tuple(m.lora.targets)
+    )
+    key = jax.random.PRNGKey(seed(config.seed, 'lora'))
+    model_config, graphdef, params = lora_lib.attach(
+      model.graphdef, params, lora_config, key, mesh=mesh
+    )
+    model = model._replace(config=model_config, graphdef=graphdef)
+  return model, params
+
+
+def _base_model(config, tok, mesh):
+  """`build_model` without adapters."""
+  m = config.model
+  memory = {'remat': m.remat, 'scan_layers': m.scan_layers}
   if m.path:
-    ck = hf_lib.load(m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
+    ck = hf_lib.load(
+      m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, **memory
+    )
     if ck.config.vocab_size < tok.vocab_size:
       raise ValueError(
         f'`model.path` vocabulary ({ck.config.vocab_size}) is smaller than the tokenizer '
@@ -158,6 +182,7 @@ def build_model(config, tok, mesh):
     init_std=m.init_std,
     param_dtype=m.param_dtype,
     compute_dtype=m.compute_dtype,
+    **memory,
   )
   graphdef, params = models.create_sharded(model_config, jax.random.PRNGKey(config.seed), mesh)
   return Model(model_config, graphdef, None), params
@@ -165,7 +190,12 @@ def build_model(config, tok, mesh):
 
 def critic_from_policy(config, policy_params, key, mesh):
   """(graphdef, params) of a critic: a copy of the policy's backbone plus a
-  fresh scalar head, laid out on `mesh`."""
+  fresh scalar head, laid out on `mesh`. A LoRA policy's critic has no
+  adapters: it starts from the merged weights W + (α / r) A B, and all of it
+  trains."""
+  if config.lora is not None:
+    policy_params = lora_lib.merge(config, policy_params)
+    config = config.replace(lora=None)
   graphdef, fresh = models.create_sharded(config, key, mesh, lm_head=False, scalar_head=True)
   pure = nnx.to_pure_dict(fresh)
   source = nnx.to_pure_dict(policy_params)
@@ -176,20 +206,28 @@ def critic_from_policy(config, policy_params, key, mesh):
   return graphdef, fresh
 
 
+def trainable(config):
+  """The `trainable` argument of `make_optimizer` for the policy: with
+  `model.lora.rank` > 0 only the adapters train (`lora.trainable_mask`), else
+  everything (None)."""
+  return lora_lib.trainable_mask if config.model.lora.rank else None
+
+
 def optimizer(config):
-  """(tx, schedule) of the main phase (`optim`)."""
-  return make_optimizer(config.optim)
+  """(tx, schedule) of the main phase (`optim`); with LoRA the base is frozen."""
+  return make_optimizer(config.optim, trainable=trainable(config))
 
 
 def sft_optimizer(config):
   """(tx, schedule) of the SFT warm-up: `optim` with `sft.lr` and `sft.warmup_steps`
-  and no decay. The optimiser state and step restart when RL begins."""
+  and no decay. The optimiser state and step restart when RL begins. With
+  LoRA the base is frozen, as in `optimizer`."""
   sft_optim = config.optim.copy_and_resolve_references()
   with sft_optim.unlocked():
     sft_optim.lr = config.sft.lr
     sft_optim.warmup_steps = config.sft.warmup_steps
     sft_optim.decay_steps = 0
-  return make_optimizer(sft_optim)
+  return make_optimizer(sft_optim, trainable=trainable(config))
 
 
 def new_state(params, tx, mesh, extra=None):
@@ -246,14 +284,26 @@ def write_trace(res):
   if res.is_main:
     mc = res.model.config
     model = {
-      f.name: getattr(mc, f.name) for f in dataclasses.fields(mc) if f.name != 'rope_scaling'
+      f.name: getattr(mc, f.name)
+      for f in dataclasses.fields(mc)
+      if f.name not in ('rope_scaling', 'lora')
     }
+    model['lora'] = None if mc.lora is None else dataclasses.asdict(mc.lora)
     other = {'config': json.loads(res.config.to_json_best_effort()), 'model': model}
     res.tracer.write(os.path.join(res.workdir, 'trace.json'), other)
 
 
+ADAPTER_DIR = 'adapter'  # export subdirectory of a LoRA run's PEFT adapters
+
+
 def export(res, params, path):
-  """Writes the policy as a Hugging Face checkpoint directory."""
+  """Writes the policy as a Hugging Face checkpoint directory.
+
+  With LoRA, `path` holds the merged weights (W + (α / r) A B: a plain model
+  that transformers loads) and `path/adapter/` the adapters alone in PEFT's
+  layout (`adapter_config.json`, `adapter_model.safetensors`), which
+  `peft.PeftModel.from_pretrained` applies to the base at `model.path`.
+  """
   hf_lib.save(
     path,
     res.model.config,
@@ -261,6 +311,14 @@ def export(res, params, path):
     hf_config=res.model.hf_config,
     source_dir=res.config.model.path or None,
   )
+  if res.model.config.lora is not None:
+    base = res.config.model.path
+    lora_lib.save_adapters(
+      os.path.join(path, ADAPTER_DIR),
+      res.model.config,
+      params,
+      base_model_name_or_path=os.path.abspath(base) if base else None,
+    )
 
 
 # All of it ----------------------------------------------------------------------
