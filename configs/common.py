@@ -179,6 +179,9 @@ def base():
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 10  # iterations between held-out evaluations (0: never)
   c.eval.reward = 'exact_match'  # accuracy = share of held-out examples scoring > 0.5
+  c.eval.samples = 0  # n sampled completions per held-out example: mean@n, pass@k (0: greedy only)
+  c.eval.temperature = 1.0  # temperature of those samples
+  c.eval.group_key = ''  # a held-out row field (e.g. 'difficulty'): accuracy per value of it
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 20  # iterations between checkpoints

@@ -255,6 +255,47 @@ def _age_later(d):
   )
 
 
+@_template(1, 'items')
+def _find_more(d):
+  (a, she, _), things = d.people(1)[0], d.pick(COLLECTIBLES)
+  have, more = d.int(2, 20), d.int(2, 20)
+  q = (
+    f'{a} has {have} {things}. {she.capitalize()} finds {more} more. '
+    f'How many {things} does {a} have now?'
+  )
+  total = have + more
+  return (
+    dict(have=have, more=more),
+    q,
+    (f'{a} has {eq(f"{have} + {more}", total)} {things}.',),
+    total,
+  )
+
+
+@_template(1, 'items')
+def _eat_some(d):
+  (a, she, _), fruit = d.people(1)[0], d.pick(FRUIT)
+  have = d.int(5, 20)
+  eat = d.int(1, have - 1)
+  q = f'{a} has {have} {fruit}. {she.capitalize()} eats {eat} of them. How many {fruit} are left?'
+  left = have - eat
+  steps = (f'There are {eq(f"{have} - {eat}", left)} {fruit} left.',)
+  return dict(have=have, eat=eat), q, steps, left
+
+
+@_template(1, 'people')
+def _twice_as_many(d):
+  (a, _, _), (b, _, _) = d.people(2)
+  things = d.pick(COLLECTIBLES)
+  have = d.int(2, 25)
+  q = (
+    f'{a} has {have} {things}. {b} has twice as many {things} as {a}. '
+    f'How many {things} does {b} have?'
+  )
+  total = 2 * have
+  return dict(have=have), q, (f'{b} has {eq(f"2 * {have}", total)} {things}.',), total
+
+
 # Two steps -----------------------------------------------------------------------
 
 

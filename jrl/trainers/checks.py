@@ -168,6 +168,8 @@ FIELDS = {
   'sampler.num_pages': count(2, also=(0,)),  # page 0 is scratch; 0: sized automatically
   'sampler.steps_per_dispatch': count(1),
   'eval.every': count(0),
+  'eval.samples': count(0),
+  'eval.temperature': positive(),
   'checkpoint.every': count(1),
   'checkpoint.keep': count(1),
   'log.every': count(1),

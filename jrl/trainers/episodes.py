@@ -256,7 +256,9 @@ class EpisodeWorker:
     version = iteration if version is None else version
     return rollout.Rollout(batch, old_logp, rewards_np, version, m)
 
-  def evaluate(self, params):
+  def evaluate(self, params, step=None):
+    """Greedy held-out episodes (`step` is accepted for the worker interface)."""
+    del step
     if not self.held_out:
       return {}
     with self.tracer.span('eval'):

@@ -243,7 +243,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
     res,
     state,
     iterate,
-    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params)),
+    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params), int(state.step)),
     start_rl=lambda state: new_state(state.params, tx),
     topology=topo,
     shaper=shaper,

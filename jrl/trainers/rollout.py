@@ -4,7 +4,7 @@
 the reward service behind one interface,
 
     worker.sample(params, iteration, version=None) -> Rollout   # host arrays
-    worker.evaluate(params) -> {'eval/accuracy': ...}            # held-out, greedy
+    worker.evaluate(params, step) -> {'eval/accuracy': ...}      # held-out (held_out.py)
     worker.close()
 
 The agent's episode runner (`jrl.trainers.episodes.EpisodeWorker`) is a
@@ -30,6 +30,7 @@ from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
 from jrl.trainers import common
+from jrl.trainers.held_out import HeldOut, decode
 from jrl.trainers.setup import seed
 
 
@@ -141,66 +142,6 @@ def pack_completions(prompts, completions, seq_len, pad_id):
   return batch, old_logp
 
 
-def decode(tokenizer, tokens, stop_tokens):
-  """A completion's text without its stop tokens."""
-  return tokenizer.decode([t for t in tokens if t not in stop_tokens], skip_special_tokens=True)
-
-
-# Held-out evaluation ------------------------------------------------------------
-
-
-class HeldOut:
-  """Held-out accuracy with greedy decoding (the `eval.reward` function).
-
-  Held-out answers are model output too: they are scored in a worker process
-  with the training rewards' deadline, never in the trainer's process (the
-  service starts at the first evaluation).
-  """
-
-  def __init__(self, config, encoder, tokenizer, stop_tokens, examples, sampler_, lock, tracer):
-    self.config = config
-    self.encoder = encoder
-    self.tokenizer = tokenizer
-    self.stop_tokens = stop_tokens
-    self.examples = examples
-    self.sampler = sampler_
-    self.lock = lock
-    self.tracer = tracer
-    self._scorer = None
-
-  def evaluate(self, params):
-    if not self.examples:
-      return {}
-    rl = self.config.rl
-    requests = [
-      sampler.Request(
-        prompt=self.encoder.prompt_ids(ex['prompt']),
-        max_new_tokens=rl.max_new_tokens,
-        greedy=True,
-        stop_tokens=self.stop_tokens,
-      )
-      for ex in self.examples
-    ]
-    with self.lock, self.tracer.span('eval'):
-      groups = self.sampler.generate(params, requests, group_size=1)
-    texts = [decode(self.tokenizer, grp[0].tokens, self.stop_tokens) for grp in groups]
-    prompts = [self.encoder.prompt_text(ex['prompt']) for ex in self.examples]
-    if self._scorer is None:
-      self._scorer = rewards.RewardService(
-        (self.config.eval.reward,),
-        mode='process',
-        workers=1,
-        timeout_s=self.config.reward.timeout_s,
-      )
-    scored = self._scorer(prompts, texts, self.examples)
-    return {'eval/accuracy': float(np.mean(scored.total > 0.5))}
-
-  def close(self):
-    if self._scorer is not None:
-      self._scorer.close()
-      self._scorer = None
-
-
 def held_out_evaluator(res):
   """`evaluate(state)` for the algorithms without a rollout worker: held-out
   accuracy with a greedy sampler of its own, built at the first evaluation
@@ -226,7 +167,7 @@ def held_out_evaluator(res):
           res.tracer,
         )
       )
-    return held_out[0].evaluate(state.params)
+    return held_out[0].evaluate(state.params, step=int(state.step))
 
   def close():
     for h in held_out:
@@ -275,8 +216,8 @@ class RolloutWorker:
     self.last_errors = []  # the reward service's first errors of the latest batch
     self.last_samples = []  # the latest batch's first group, for the sample log
 
-  def evaluate(self, params):
-    return self.held_out.evaluate(params)
+  def evaluate(self, params, step=None):
+    return self.held_out.evaluate(params, step)
 
   def close(self):
     self.scorer.close()

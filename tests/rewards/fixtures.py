@@ -82,3 +82,9 @@ def exits(prompts, completions, metadata):
 @register('test_interrupt')
 def interrupts(prompts, completions, metadata):
   raise KeyboardInterrupt
+
+
+@register('test_first_even')
+def first_even(prompts, completions, metadata):
+  """1 for a completion whose first character has an even code point, else 0."""
+  return [float(bool(c) and ord(c[0]) % 2 == 0) for c in completions]
