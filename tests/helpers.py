@@ -3,6 +3,7 @@ field setting, reading what a run wrote, tree equality, and capturing what a
 trainer's `make_steps` built.
 """
 
+import json
 import os
 import re
 
@@ -114,3 +115,81 @@ def capture(monkeypatch, module, name, wrap=None):
 
   monkeypatch.setattr(module, name, recording)
   return built
+
+
+# A tiny Hugging Face chat checkpoint -----------------------------------------------
+
+CHATML = (
+  '{% for message in messages %}'
+  "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+  '{% endfor %}'
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
+
+
+def write_tiny_chat_model(path, family='qwen2'):
+  """A character-level tokenizer with ChatML and a random 2-layer model in `path`.
+
+  family: 'qwen2' (Qwen2, 4 query / 2 key-value heads) or 'llama' (SmolLM2's
+  layout: Llama, tied embeddings, 3 query heads per key-value head, rope θ 1e5).
+  """
+  import string
+
+  import tokenizers
+  import torch
+  import transformers
+  from tokenizers import decoders, pre_tokenizers
+  from tokenizers import models as tokenizer_models
+
+  chars = string.digits + string.ascii_letters + string.punctuation + ' \n'
+  vocab = {'<unk>': 0, **{ch: i + 1 for i, ch in enumerate(chars)}}
+  tok = tokenizers.Tokenizer(tokenizer_models.WordLevel(vocab, unk_token='<unk>'))
+  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r'[\s\S]'), behavior='isolated')
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(list(SPECIAL_TOKENS))
+  os.makedirs(path, exist_ok=True)
+  tok.save(os.path.join(path, 'tokenizer.json'))
+  with open(os.path.join(path, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
+    json.dump(
+      {
+        'tokenizer_class': 'PreTrainedTokenizerFast',
+        'eos_token': '<|im_end|>',
+        'pad_token': '<|endoftext|>',
+        'chat_template': CHATML,
+      },
+      f,
+    )
+  common = dict(
+    vocab_size=tok.get_vocab_size(with_added_tokens=True),
+    num_hidden_layers=2,
+    tie_word_embeddings=True,
+    eos_token_id=tok.token_to_id('<|im_end|>'),
+    pad_token_id=tok.token_to_id('<|endoftext|>'),
+  )
+  torch.manual_seed(0)
+  if family == 'qwen2':
+    hf_config = transformers.Qwen2Config(
+      hidden_size=32,
+      intermediate_size=64,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=128,
+      **common,
+    )
+    transformers.Qwen2ForCausalLM(hf_config).save_pretrained(path)
+  elif family == 'llama':
+    hf_config = transformers.LlamaConfig(
+      hidden_size=48,
+      intermediate_size=128,
+      num_attention_heads=3,
+      num_key_value_heads=1,
+      max_position_embeddings=512,
+      rope_theta=100000.0,
+      rms_norm_eps=1e-5,
+      **common,
+    )
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
+  else:
+    raise ValueError(f'family must be qwen2 or llama, got {family!r}')
+  return tok

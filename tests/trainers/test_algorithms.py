@@ -22,7 +22,6 @@ loaded, not compiled again, by the next.
 import json
 import os
 import re
-import string
 import subprocess
 import sys
 
@@ -30,10 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tokenizers
 from jax.experimental.compilation_cache import compilation_cache
-from tokenizers import decoders, pre_tokenizers
-from tokenizers import models as tokenizer_models
 
 from configs import dpo_arith, grpo_arith, grpo_qwen, ppo_arith, sft_arith
 from jrl import checkpoint as ckpt_lib
@@ -567,61 +563,14 @@ def test_sft_only_run_keeps_its_optimiser_state_and_extends_exactly(sft_run, tmp
 
 # 5. GRPO on a Hugging Face checkpoint (configs/grpo_qwen.py) ----------------------------------
 
-CHATML = (
-  '{% for message in messages %}'
-  "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-  '{% endfor %}'
-  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 QUESTIONS = [(2, 3), (4, 5), (1, 7), (6, 2), (3, 3), (8, 1), (7, 7), (5, 9)]
-
-
-def write_tiny_qwen(path):
-  """A character-level tokenizer with ChatML and a random 2-layer Qwen2 in `path`."""
-  import torch
-  import transformers
-
-  chars = string.digits + string.ascii_letters + string.punctuation + ' \n'
-  vocab = {'<unk>': 0, **{ch: i + 1 for i, ch in enumerate(chars)}}
-  tok = tokenizers.Tokenizer(tokenizer_models.WordLevel(vocab, unk_token='<unk>'))
-  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r'[\s\S]'), behavior='isolated')
-  tok.decoder = decoders.Fuse()
-  tok.add_special_tokens(list(SPECIAL_TOKENS))
-  os.makedirs(path, exist_ok=True)
-  tok.save(os.path.join(path, 'tokenizer.json'))
-  with open(os.path.join(path, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
-    json.dump(
-      {
-        'tokenizer_class': 'PreTrainedTokenizerFast',
-        'eos_token': '<|im_end|>',
-        'pad_token': '<|endoftext|>',
-        'chat_template': CHATML,
-      },
-      f,
-    )
-  hf_config = transformers.Qwen2Config(
-    vocab_size=tok.get_vocab_size(with_added_tokens=True),
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-    eos_token_id=tok.token_to_id('<|im_end|>'),
-    pad_token_id=tok.token_to_id('<|endoftext|>'),
-  )
-  torch.manual_seed(0)
-  transformers.Qwen2ForCausalLM(hf_config).save_pretrained(path)
-  return tok
 
 
 @pytest.fixture(scope='module')
 def qwen_run(tmp_path_factory):
   root = tmp_path_factory.mktemp('qwen')
   model_dir = str(root / 'model')
-  write_tiny_qwen(model_dir)
+  helpers.write_tiny_chat_model(model_dir)
   rows = [{'prompt': f'What is {a}+{b}?', 'answer': str(a + b)} for a, b in QUESTIONS]
   config = shrink(
     grpo_qwen,
