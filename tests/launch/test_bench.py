@@ -1,0 +1,123 @@
+"""Smoke tests for `launch/bench.py grpo --setup real` (the GRPO step of
+configs/grpo_smollm2_gsm.py, once per remat policy and LoRA rank).
+
+The checkpoint is a tiny random Llama in SmolLM2's layout, written the way
+`launch/prepare_model.py` makes models/smollm2: a llama.cpp-style GGUF (the
+helpers of tests/models/test_gguf.py) converted by `jrl.models.gguf.convert`.
+Only the code path and the printout are checked; speed goals live in the
+benchmark itself.
+"""
+
+import importlib.util
+import math
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from jrl.models import gguf as jrl_gguf
+from tests.models import test_gguf
+
+_LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), 'launch')
+
+
+def _load_bench():
+  spec = importlib.util.spec_from_file_location('jrl_launch_bench', f'{_LAUNCH}/bench.py')
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+bench = _load_bench()
+
+# A short system prompt (the experiment's is longer than the tiny tokenizer's
+# 160-token prompt limit), 8 rows of at most 4 new tokens, rewards in-process.
+TINY = [
+  'task.system_prompt=Answer.',
+  'rl.prompts_per_step=2',
+  'rl.group_size=4',
+  'rl.minibatch_size=8',
+  'rl.max_new_tokens=4',
+  'sampler.num_slots=8',
+  'reward.mode=inline',
+]
+STAGES = ('generate', 'reward', 'reference', 'update', 'step')
+NUMBER = r'-?\d+(?:\.\d+)?(?:e[-+]?\d+)?|\bnan\b|\binf\b'
+
+
+@pytest.fixture(scope='module')
+def tiny_smollm2(tmp_path_factory):
+  root = tmp_path_factory.mktemp('tiny_smollm2')
+  tok = test_gguf._train_tokenizer()
+  vocab = tok.get_vocab_size(with_added_tokens=True)
+  weights = test_gguf._random_weights(np.random.default_rng(0), vocab, tied=True)
+  path = str(root / 'tiny.gguf')
+  test_gguf.write_gguf(path, weights, tok, quantised=False)
+  out = str(root / 'smollm2')
+  jrl_gguf.convert(path, out)
+  return out
+
+
+def _numbers(line):
+  values = [float(v) for v in re.findall(NUMBER, line)]
+  assert values, line
+  assert all(math.isfinite(v) for v in values), line
+  return values
+
+
+def test_real_setup_prints_one_block_per_combination(tiny_smollm2, capsys):
+  argv = ['grpo', '--setup', 'real', '--model_path', tiny_smollm2, '--steps', '2']
+  argv += ['--remat', 'full', '--lora_rank', '0,4', '--peak_n', '128']
+  for field in TINY:
+    argv += ['--set', field]
+  bench.main(argv)
+  out = capsys.readouterr().out
+  assert 'kl_coef 0.001 (set for this measurement' in out
+  blocks = re.split(r'\n  (?=remat=)', out)[1:]
+  assert [b.split(':')[0] for b in blocks] == ['remat=full lora=-', 'remat=full lora=4']
+  for block in blocks:
+    lines = block.splitlines()
+    assert '8 rows of' in lines[0] and '200 training prompts' in lines[0]
+    body = {line.split()[0]: line for line in lines[1:]}
+    for stage in STAGES:
+      (seconds,) = _numbers(body[stage])
+      assert seconds >= 0
+    assert _numbers(body['first'])[0] > 0
+    for name in ('generate:', 'reference:', 'update:'):
+      assert 'tokens/s' in body[name]
+      assert _numbers(body[name])[0] > 0
+    mfu = re.search(r'MFU ([0-9.]+)% of a ([0-9.]+) GFLOP/s', body['update:'])
+    assert mfu and 0 < float(mfu.group(1)) and float(mfu.group(2)) > 0
+    assert ('LoRA: no base-weight gradients' in body['update:']) == ('lora=4' in lines[0])
+    assert re.search(r'temp \d+ MiB, inputs \+ outputs \+ temp \d+ MiB', body['XLA'])
+    assert 'cumulative' in body['process']
+    assert _numbers(body['process'])[0] > 0
+  trainable = [_numbers(b.split('trainable: ')[1].splitlines()[0])[0] for b in blocks]
+  assert trainable[0] > trainable[1]  # full fine-tuning trains more than the adapters
+
+
+def test_missing_checkpoint_names_the_path_and_the_command(tmp_path):
+  missing = str(tmp_path / 'smollm2')
+  with pytest.raises(SystemExit, match=re.escape(missing) + '.*prepare_model.py --out'):
+    bench.main(['grpo', '--setup', 'real', '--model_path', missing])
+
+
+def test_real_only_flags_are_refused_on_other_setups():
+  with pytest.raises(SystemExit, match='--setup real'):
+    bench.main(['grpo', '--setup', 'default', '--lora_rank', '0,16'])
+
+
+def test_set_fields_parses_each_field_as_its_type():
+  from configs import grpo_smollm2_gsm
+
+  config = bench.set_fields(
+    grpo_smollm2_gsm.get_config(),
+    ['rl.group_size=4', 'rl.kl_coef=0.01', 'log.plot=false', 'task.system_prompt=', 'seed=3'],
+  )
+  assert (config.rl.group_size, config.rl.kl_coef, config.log.plot) == (4, 0.01, False)
+  assert (config.task.system_prompt, config.seed) == ('', 3)
+  with pytest.raises(ValueError, match='KEY=VALUE'):
+    bench.set_fields(config, ['rl.group_size'])
