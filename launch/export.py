@@ -18,6 +18,8 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jrl import config_errors
+
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config.', lock_config=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint iteration (default: the latest intact).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory (default: WORKDIR/hf_export_STEP).')
@@ -52,4 +54,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['config'])
-  app.run(main)
+  app.run(main, flags_parser=config_errors.parse_flags)

@@ -22,6 +22,8 @@ from ml_collections import config_flags
 # Config files import `configs.common`: make the repository root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jrl import config_errors
+
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config.', lock_config=True)
 _COORDINATOR = flags.DEFINE_string('coordinator_address', '', 'host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0, 'Number of processes (0: from env).')
@@ -42,4 +44,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['config'])
-  app.run(main)
+  app.run(main, flags_parser=config_errors.parse_flags)

@@ -5,7 +5,10 @@ train state, and plain functions for one iteration, the held-out
 evaluation and the switch from the SFT warm-up to the main phase.
 `train(job)` then
 
-1. restores the newest intact checkpoint in `workdir`, if there is one;
+1. writes the resolved config and the command line to `workdir/config.json`
+   (`setup.write_config`: a resumed run with changed fields keeps the old
+   one as config.<n>.json and prints the changes), then restores the newest
+   intact checkpoint in `workdir`, if there is one;
 2. evaluates once before training (`eval.every` > 0, a fresh run);
 3. runs iterations `state, metrics = job.iterate(state, it)` up to
    `sft.steps + rl.steps`, writing metrics every iteration, evaluating every
@@ -149,6 +152,8 @@ def train(job):
   res, config = job.res, job.res.config
   tracer = res.tracer
   total = config.sft.steps + config.rl.steps
+  if res.is_main:
+    setup.write_config(config, res.workdir)  # config.json; a resumed run's changes printed
   checkpointer = setup.checkpointer(config, res.workdir)
   progress = _Progress()
   state = restore(job, checkpointer, job.state, progress)

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -277,6 +278,78 @@ def _wandb_settings(config):
     'name': config.log.wandb_name,
     'config': json.loads(config.to_json_best_effort()),
   }
+
+
+CONFIG_FILE = 'config.json'  # in the workdir: the resolved config and the command line
+
+
+def _flatten(tree, prefix=''):
+  """{'a.b': leaf} of nested dicts."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      flat.update(_flatten(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+def config_changes(old, new):
+  """'field old -> new' for every field that differs between two configs as JSON dicts."""
+  old, new = _flatten(old), _flatten(new)
+  missing = object()
+
+  def show(value):
+    return '(none)' if value is missing else json.dumps(value)
+
+  changes = []
+  for key in sorted(old.keys() | new.keys()):
+    a, b = old.get(key, missing), new.get(key, missing)
+    if a != b:
+      changes.append(f'{key} {show(a)} -> {show(b)}')
+  return changes
+
+
+def write_config(config, workdir, argv=None):
+  """workdir/config.json (process 0 calls it): the resolved config, after the
+  overrides, with the command line (`argv`, default sys.argv) and its
+  directory, so that the run can be reproduced. When the file already holds
+  another config (a resumed run with changed fields), it is kept as
+  config.<n>.json and the changed fields are printed in one line. Returns
+  them ([] when nothing changed). A config.json that is not a jrl run's (a
+  Hugging Face checkpoint's) is left alone, with a warning."""
+  record = {
+    'argv': list(sys.argv if argv is None else argv),
+    'cwd': os.getcwd(),
+    'config': json.loads(config.to_json_best_effort()),
+  }
+  path = os.path.join(workdir, CONFIG_FILE)
+  changes = []
+  if os.path.exists(path):
+    try:
+      with open(path, encoding='utf-8') as f:
+        old = json.load(f)
+    except ValueError:
+      old = None
+    if not (isinstance(old, dict) and isinstance(old.get('config'), dict) and 'argv' in old):
+      print(f'warning: {path} is not a jrl run config (left as it is, not rewritten)', flush=True)
+      return []
+    if old['config'] == record['config']:
+      return []
+    n = 1
+    while os.path.exists(os.path.join(workdir, f'config.{n}.json')):
+      n += 1
+    kept = f'config.{n}.json'
+    os.replace(path, os.path.join(workdir, kept))
+    changes = config_changes(old['config'], record['config'])
+    changed = ', '.join(changes)
+    print(f'config of {workdir} changed (the previous kept as {kept}): {changed}', flush=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(record, f, indent=2)
+    f.write('\n')
+  os.replace(tmp, path)
+  return changes
 
 
 def write_trace(res):
