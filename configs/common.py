@@ -62,7 +62,9 @@ def base():
 
   c.task = ml_collections.ConfigDict()
   # 'arith' (generated), 'arith_tool' (agentic, generated) or 'file' (alias 'jsonl'):
-  # prompt files, JSONL or Parquet (by the '.parquet' extension)
+  # prompt files, JSONL or Parquet (by the '.parquet' extension); or an import path
+  # 'package.module:function' of fn(task config) -> (train rows, held-out rows)
+  # (docs/your_own_dataset.md)
   c.task.kind = 'arith'
   c.task.digits = 2  # arith: operand digits
   c.task.ops = '+'  # arith: operators, from '+-*'
@@ -218,7 +220,9 @@ def ppo_section():
 def agent_section():
   """The `agent` fields of multi-turn (tool-use) configs."""
   a = ml_collections.ConfigDict()
-  a.env = 'arith_tool'  # see jrl.trainers.agent.ENVIRONMENTS
+  # a name in jrl.trainers.episodes.ENVIRONMENTS, or an import path 'package.module:factory'
+  # of factory(tokenizer) -> jrl.envs.Environment (docs/your_own_environment.md)
+  a.env = 'arith_tool'
   a.trainer = 'grpo'  # 'grpo' (rl.advantage) or 'ppo' (critic + GAE; add a `ppo` section)
   a.max_turns = 4  # tool calls per trajectory before it is ended
   a.step_timeout_s = 10.0  # per environment step; a late step ends its trajectory

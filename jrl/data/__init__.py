@@ -6,6 +6,7 @@ from jrl.data.sources import (
   PromptFile,
   PromptStream,
   extract_gsm8k_answer,
+  prompt_rows,
   read_jsonl,
   read_preference_jsonl,
   read_prompts,

@@ -260,9 +260,46 @@ def read_prompts(
     raise ValueError(
       f'answer_extractor must be one of {ANSWER_EXTRACTORS}, got {answer_extractor!r}.'
     )
+  return _prompt_items(
+    path, _file_rows(path), prompt_key, answer_key, answer_extractor, require_answer, check, drop
+  )
+
+
+def prompt_rows(source, rows, *, check=None, drop=()):
+  """Prompt rows made in Python (a data source named in config), checked as a
+  file's rows are.
+
+  Args:
+    source: names the rows in errors ("`task.kind` 'my_data:rows' train").
+    rows: a list (or tuple) of {'prompt': str | messages, 'answer': str |
+      number, ...other fields} dicts; answers become strings.
+    check, drop: as in `read_prompts`.
+
+  Returns:
+    `PromptFile`; a ValueError names `source` and the 0-based row.
+  """
+  if not isinstance(rows, list | tuple):
+    raise ValueError(f'{source}: rows must be a list of dicts, got {type(rows).__name__}.')
+  if not rows:
+    raise ValueError(f'{source}: no rows.')
+  numbered = []
+  for i, row in enumerate(rows):
+    where = f'{source} row {i}'
+    if not isinstance(row, dict):
+      raise ValueError(
+        f'{where}: must be a dict with `prompt` and `answer`, got {type(row).__name__}.'
+      )
+    numbered.append((where, row))
+  return _prompt_items(source, numbered, 'prompt', 'answer', 'none', True, check, drop)
+
+
+def _prompt_items(
+  source, numbered, prompt_key, answer_key, answer_extractor, require_answer, check, drop
+):
+  """`PromptFile` of (where, raw row) pairs: fields renamed and typed, `check` run."""
   out, dropped = [], []
   renamed = {prompt_key, answer_key, 'prompt', 'answer'}
-  for where, row in _file_rows(path):
+  for where, row in numbered:
     prompt = _text_field(where, row, prompt_key)
     answer = _answer(where, row, answer_key, answer_extractor, require_answer)
     item = {'prompt': prompt, 'answer': answer}
@@ -280,7 +317,7 @@ def read_prompts(
     out.append(item)
   if not out:
     first = f'{dropped[0][0]}: {dropped[0][1]}' if dropped else ''
-    raise ValueError(f'{path}: all {len(dropped)} rows were dropped (the first: {first}).')
+    raise ValueError(f'{source}: all {len(dropped)} rows were dropped (the first: {first}).')
   return PromptFile(out, dropped)
 
 

@@ -13,12 +13,12 @@ run starts in or from PYTHONPATH);
 keeps each one's scores for metrics.
 """
 
-import functools
-import importlib
 from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
+
+from jrl.plugins import is_import_path, load_object
 
 REGISTRY: dict[str, Callable] = {}
 
@@ -33,31 +33,13 @@ def register(name):
   return wrap
 
 
-def load_object(path, what):
-  """The object at a dotted import path: 'package.module:name' or
-  'package.module.name'. Raises ValueError naming `what`, the path and the cause."""
-  module_name, sep, attr = path.partition(':')
-  if not sep:
-    module_name, _, attr = path.rpartition('.')
-  if not module_name or not attr:
-    raise ValueError(f'{what} {path!r} is not an import path like "package.module:name".')
-  try:
-    module = importlib.import_module(module_name)
-  except ImportError as e:
-    raise ValueError(f'{what} {path!r}: cannot import {module_name!r} ({e}).') from e
-  try:
-    return functools.reduce(getattr, attr.split('.'), module)
-  except AttributeError as e:
-    raise ValueError(f'{what} {path!r}: {module_name!r} has no {attr!r}.') from e
-
-
 def get_reward_fn(name):
   """The reward function registered as `name`, or found at the import path
   `name` ('my_project.rewards:score'; then registered under that name, so
   reward worker processes find it the same way, by importing its module)."""
   if name in REGISTRY:
     return REGISTRY[name]
-  if '.' in name or ':' in name:
+  if is_import_path(name):
     fn = load_object(name, 'reward function')
     if not callable(fn):
       raise ValueError(f'reward function {name!r} is a {type(fn).__name__}, not a function.')

@@ -24,25 +24,96 @@ usual `reward/*`.
 """
 
 import collections
+import inspect
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
-from jrl import sampler
+from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, run_step
 from jrl.trainers import common, rollout
 from jrl.trainers.setup import seed
 
+# name -> (task with a `demonstration(example, use_tool)`, factory(tokenizer) -> Environment)
 ENVIRONMENTS = {'arith_tool': (arith_env.ArithToolTask, arith_env.make_env)}
+
+
+class EnvSpec(NamedTuple):
+  """What `agent.env` names: how to make an environment and, for the SFT
+  warm-up, demonstrations of good episodes."""
+
+  make_env: Callable  # tokenizer -> a fresh Environment (one per episode)
+  demonstration: Callable | None  # (example, use_tool) -> [(text, by_model)]; None: none
+
+
+def environment(name):
+  """The `EnvSpec` of `agent.env`: a name in `ENVIRONMENTS`, or an import path
+  'package.module:factory' of a callable `factory(tokenizer) -> Environment`
+  (an `Environment` subclass taking the tokenizer works). The factory's
+  `demonstration` attribute, if it has one, gives the SFT warm-up's episodes.
+  Raises ValueError naming `agent.env`."""
+  if name in ENVIRONMENTS:
+    task_cls, make_env = ENVIRONMENTS[name]
+    return EnvSpec(make_env, task_cls.demonstration)
+  if not plugins.is_import_path(name):
+    raise ValueError(
+      f'`agent.env` must be one of {sorted(ENVIRONMENTS)} or an import path '
+      f'("package.module:factory"), got {name!r}.'
+    )
+  factory = plugins.load_object(name, '`agent.env`')
+  if not callable(factory):
+    raise ValueError(
+      f'`agent.env` {name!r}: a {type(factory).__name__} is not an environment factory.'
+    )
+  try:
+    inspect.signature(factory).bind(None)
+  except TypeError:
+    raise ValueError(
+      f'`agent.env` {name!r} must be callable as factory(tokenizer) -> Environment.'
+    ) from None
+  except ValueError:
+    pass  # no signature to inspect (a builtin): the first call will tell
+  demonstration = getattr(factory, 'demonstration', None)
+  if demonstration is not None and not callable(demonstration):
+    raise ValueError(f'`agent.env` {name!r}: its `demonstration` is not a function.')
+  return EnvSpec(factory, demonstration)
+
+
+def new_env(spec, tokenizer, name):
+  """`spec.make_env(tokenizer)`, refused (naming `agent.env`) unless it has the
+  methods of `jrl.envs.Environment` and `turn_stop_tokens` of token ids (run
+  once, when the episode worker is built)."""
+  env = spec.make_env(tokenizer)
+  missing = [m for m in ('reset', 'step', 'final_reward') if not callable(getattr(env, m, None))]
+  if missing:
+    raise ValueError(
+      f'`agent.env` {name!r} made a {type(env).__name__} without {", ".join(missing)}: '
+      'subclass jrl.envs.Environment.'
+    )
+  stops = getattr(env, 'turn_stop_tokens', None)
+  if not (
+    isinstance(stops, list | tuple)
+    and all(isinstance(t, int | np.integer) and 0 <= t < tokenizer.vocab_size for t in stops)
+  ):
+    raise ValueError(
+      f'`agent.env` {name!r}: `turn_stop_tokens` must be a tuple of token ids, got {stops!r}.'
+    )
+  return env
 
 
 def check(config):
   """Raises ValueError naming the `agent.*` field that is out of place."""
   ac = config.agent
-  if ac.env not in ENVIRONMENTS:
-    raise ValueError(f'`agent.env` must be one of {sorted(ENVIRONMENTS)}, got {ac.env!r}.')
+  spec = environment(ac.env)
+  if config.sft.steps and spec.demonstration is None:
+    raise ValueError(
+      f'`agent.env` {ac.env!r} has no `demonstration(example, use_tool)` for the SFT '
+      'warm-up: give its factory one, or set `sft.steps` = 0.'
+    )
   if ac.max_turns < 1:
     raise ValueError(f'`agent.max_turns` must be >= 1, got {ac.max_turns}.')
   if not ac.step_timeout_s > 0:
@@ -95,11 +166,11 @@ def demonstration_batch(config, tokenizer, stop_tokens, seq_len, examples, itera
   the tool); the loss mask covers the model's segments and the eos only."""
   ac = config.agent
   rng = np.random.default_rng(seed(config.seed, iteration, 'demo'))
-  task_cls, _ = ENVIRONMENTS[ac.env]
+  demonstration = environment(ac.env).demonstration
   eos = list(stop_tokens[:1])
   prompts, responses, masks = [], [], []
   for ex in examples:
-    segments = task_cls.demonstration(ex, use_tool=bool(rng.random() < ac.sft_tool_frac))
+    segments = demonstration(ex, use_tool=bool(rng.random() < ac.sft_tool_frac))
     ids, model = [], []
     for text, by_model in segments:
       seg = tokenizer.encode(text)
@@ -131,8 +202,9 @@ class EpisodeWorker:
     self.tracer = res.tracer
     self.lock = threading.Lock()
     self.last_errors = []
-    _, self.make_env = ENVIRONMENTS[config.agent.env]
-    self.turn_stops = tuple(self.make_env(res.tokenizer).turn_stop_tokens)
+    spec = environment(config.agent.env)
+    self.make_env = spec.make_env
+    self.turn_stops = tuple(new_env(spec, res.tokenizer, config.agent.env).turn_stop_tokens)
     # Room for the environment's answers (fed through the decode loop) and
     # for the turn-ending tokens among the stop tokens.
     self.sampler = rollout.build_sampler(

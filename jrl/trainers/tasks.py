@@ -9,9 +9,44 @@ fails with its file and line before anything is compiled.
 
 import numpy as np
 
-from jrl import distributed
-from jrl.data import ANSWER_EXTRACTORS, ArithmeticTask, PromptFile, read_prompts
+from jrl import distributed, plugins
+from jrl.data import ANSWER_EXTRACTORS, ArithmeticTask, PromptFile, prompt_rows, read_prompts
 from jrl.trainers import checks
+
+
+def function_rows(task_config, check, train_check):
+  """(train, held-out) `PromptFile`s of the data source that `task.kind` names
+  by import path: a function `fn(task_config)` returning (train rows,
+  held-out rows), each a list of {'prompt', 'answer', ...} dicts. Every row
+  is checked as a prompt file's are (`check`, `train_check`, and
+  `task.long_prompts`); errors name `task.kind`, the split and the row."""
+  name = f'`task.kind` {task_config.kind!r}'
+  fn = plugins.load_object(task_config.kind, '`task.kind`')
+  if not callable(fn):
+    raise ValueError(f'{name}: a {type(fn).__name__} is not a function.')
+  out = fn(task_config)
+  if not (isinstance(out, list | tuple) and len(out) == 2):
+    got = f'{len(out)} values' if isinstance(out, list | tuple) else f'a {type(out).__name__}'
+    raise ValueError(f'{name} must return (train rows, held-out rows), got {got}.')
+  long_prompts = task_config.long_prompts
+  if long_prompts not in Task.LONG_PROMPTS:
+    raise ValueError(
+      f'`task.long_prompts` must be one of {Task.LONG_PROMPTS}, got {long_prompts!r}.'
+    )
+  drop = (checks.PromptTooLong,) if long_prompts == 'filter' else ()
+  read = {}
+  for split, rows, check_row in (('train', out[0], train_check), ('held-out', out[1], check)):
+    if split == 'held-out' and isinstance(rows, list | tuple) and not rows:
+      read[split] = PromptFile([], [])  # no held-out evaluation
+      continue
+    read[split] = prompt_rows(f'{name} {split}', rows, check=check_row, drop=drop)
+    dropped = read[split].dropped
+    if dropped and distributed.is_main():
+      print(
+        f'task: dropped {len(dropped)} of {len(read[split].rows) + len(dropped)} {split} rows '
+        f'of {name} (task.long_prompts=filter); the first, {dropped[0][0]}: {dropped[0][1]}'
+      )
+  return read['train'], read['held-out']
 
 
 class Task:
@@ -51,11 +86,17 @@ class Task:
       held_out = self._read(task_config, 'eval', check) if task_config.eval_path else None
       self.train = train.rows
       self.held_out = held_out.rows[: task_config.eval_size] if held_out else []
+    elif plugins.is_import_path(kind):
+      train, held_out = function_rows(task_config, check, train_check)
+      self.filtered = {'train': len(train.dropped), 'eval': len(held_out.dropped)}
+      self.train = train.rows
+      self.held_out = held_out.rows[: task_config.eval_size]
     else:
       raise ValueError(
-        f"`task.kind` must be 'arith', 'arith_tool', 'file' or 'jsonl', got {kind!r}."
+        "`task.kind` must be 'arith', 'arith_tool', 'file', 'jsonl' or an import path "
+        f'("package.module:function"), got {kind!r}.'
       )
-    if check is not None and kind not in ('file', 'jsonl'):
+    if check is not None and kind in ('arith', 'arith_tool'):
       # Generated problems share one format: the first ones stand for the rest.
       train = ((i, self.train.example(i)) for i in range(self.CHECKED_EXAMPLES))
       checks.check_generated(f'task {kind!r} training', train, train_check)

@@ -1,0 +1,128 @@
+"""Data sources (`task.kind`) and environments (`agent.env`) named by import
+path, from `tests/user_code.py`: they train, every row is checked as a
+prompt file's rows are, and a bad path or a wrong shape names the field."""
+
+import pytest
+
+from jrl import trainers
+from jrl.envs import run_step
+from jrl.models.tokenizer import CharTokenizer
+from jrl.trainers import checks, controller, episodes, tasks
+from tests import user_code
+from tests.helpers import QUIET, records, shrunk_config
+from tests.trainers.test_agent import agent_config
+
+# Data sources ---------------------------------------------------------------------
+
+
+def test_grpo_trains_on_a_data_source_given_by_import_path(tmp_path):
+  config = shrunk_config(
+    tmp_path,
+    {**QUIET, 'task.kind': 'tests.user_code:make_rows', 'sft.steps': 0, 'rl.steps': 1},
+  )
+  job = trainers.build(config)
+  train, held_out = user_code.make_rows(config.task)
+  # Rows as a prompt file's: answers become strings, other fields are kept.
+  assert job.res.task.train == [{**row, 'answer': str(row['answer'])} for row in train]
+  assert len(job.res.task.held_out) == config.task.eval_size == len(held_out)
+  drawn = job.res.streams['rl_stream'].next(4)
+  assert all(row['source'] == 'sums' for row in drawn)
+  controller.train(job)
+  assert [r['step'] for r in records(tmp_path) if r.get('phase') == 1.0] == [1]
+
+
+M = 'tests.user_code:'
+BAD_SOURCES = {  # id: (task.kind, what the error says after "`task.kind` ")
+  'module': ('tests.no_such_module:make_rows', r"'tests\.no_such_module:make_rows': cannot import"),
+  'attribute': (M + 'no_such_function', r"'tests\.user_code:no_such_function': .* has no"),
+  'not_callable': (M + 'NOT_A_FUNCTION', r"'.*': a int is not a function"),
+  'return_type': (
+    M + 'make_rows_dict',
+    r'.* must return \(train rows, held-out rows\), got a dict',
+  ),
+  'row_type': (M + 'make_rows_not_dicts', r'.* train row 0: must be a dict'),
+  'too_long': (M + 'make_rows_long_prompt', r'.* train row 5: field `prompt` is 62 tokens'),
+  'character': (M + 'make_rows_bad_character', r".* held-out row 2: field `prompt`: character '€'"),
+  'name': ('sums', r"must be 'arith', .* or an import path"),
+}
+
+
+@pytest.mark.parametrize(('kind', 'match'), BAD_SOURCES.values(), ids=BAD_SOURCES)
+def test_bad_data_source_names_the_field_and_row(tmp_path, kind, match):
+  config = shrunk_config(tmp_path, {**QUIET, 'task.kind': kind, 'sft.steps': 0})
+  with pytest.raises(ValueError, match=r'`task\.kind` ' + match):
+    trainers.build(config)
+
+
+def test_data_source_long_prompts_are_filtered_when_asked(tmp_path, capsys):
+  config = shrunk_config(tmp_path, {'task.kind': 'tests.user_code:make_rows_long_prompt'})
+  config.task.long_prompts = 'filter'
+  tok = CharTokenizer()
+  checker = checks.ExampleChecker(tok.encode, tok.encode, max_prompt_len=8, seq_len=16)
+  task = tasks.Task(config.task, config.seed, checker.prompt)
+  assert task.filtered == {'train': 1, 'eval': 0}
+  assert len(task.train) == 63
+  assert 'train row 5' in capsys.readouterr().out
+
+
+# Environments ---------------------------------------------------------------------
+
+
+def test_environment_given_by_import_path_takes_turns():
+  tok = CharTokenizer()
+  for name in ('tests.user_code:ShopEnv', 'tests.user_code:make_shop_env'):
+    spec = episodes.environment(name)
+    env = episodes.new_env(spec, tok, name)
+    example = {'prompt': '3 pear=', 'answer': '21', 'item': 'pear'}
+    assert env.reset(example) == tok.encode('3 pear=')
+    assert env.turn_stop_tokens == tuple(tok.encode('}'))
+
+    def turn(text, env=env):
+      ids = tok.encode(text)
+      step, failure, _ = run_step(env, ids, timeout_s=5, vocab_size=tok.vocab_size, max_tokens=16)
+      assert failure is None
+      return tok.decode(step.tokens), step.info
+
+    assert turn('{price:pear}') == ('[7]', {'tool_calls': 1})
+    assert turn('{price:kiwi}') == ('[unknown item]', {'tool_calls': 1, 'tool_failures': 1})
+    assert turn('{cost:pear}') == ('[no such tool]', {'invalid_calls': 1})
+    assert env.final_reward('{price:pear}[7]21') == 1.0
+    assert env.final_reward('{price:pear}[7]20') == 0.0
+  assert episodes.environment('tests.user_code:ShopEnv').demonstration is not None
+  assert episodes.environment('tests.user_code:make_shop_env').demonstration is None
+
+
+BAD_ENVIRONMENTS = {  # id: (agent.env, overrides, what the error says after "`agent.env` ")
+  'module': ('tests.no_such_module:Env', {}, r"'tests\.no_such_module:Env': cannot import"),
+  'attribute': (M + 'NoSuchEnv', {}, r"'tests\.user_code:NoSuchEnv': .* has no"),
+  'not_callable': (M + 'PRICES', {}, r"'.*': a dict is not an environment factory"),
+  'signature': (M + 'make_env_without_tokenizer', {}, r'.* factory\(tokenizer\)'),
+  'no_demonstration': (M + 'make_shop_env', {'sft.steps': 2}, r'.* has no `demonstration'),
+  'not_an_environment': (M + 'NoStep', {}, r'.* made a NoStep without step'),
+}
+
+
+@pytest.mark.parametrize(
+  ('env', 'overrides', 'match'), BAD_ENVIRONMENTS.values(), ids=BAD_ENVIRONMENTS
+)
+def test_bad_environment_names_the_field(tmp_path, env, overrides, match):
+  fields = {'agent.env': env, 'task.kind': M + 'shop_rows', 'sft.steps': 0, **overrides}
+  with pytest.raises(ValueError, match=r'`agent\.env` ' + match):
+    trainers.build(agent_config(tmp_path, fields))
+
+
+def test_agent_trains_with_an_environment_given_by_import_path(tmp_path):
+  fields = {
+    'agent.env': 'tests.user_code:ShopEnv',
+    'task.kind': 'tests.user_code:shop_rows',
+    'agent.sft_tool_frac': 1.0,
+    'sft.steps': 2,
+    'rl.steps': 1,
+  }
+  trainers.run(agent_config(tmp_path, fields))
+  logged = records(tmp_path)
+  assert len([r for r in logged if r.get('phase') == 0.0]) == 2  # SFT on ShopEnv.demonstration
+  (rl,) = [r for r in logged if r.get('phase') == 1.0]
+  for key in ('env/turns', 'env/tool_calls', 'env/tool_use_rate', 'reward/mean'):
+    assert key in rl, key
+  assert sum(v for k, v in rl.items() if k.startswith('env/finish/')) == pytest.approx(1.0)
