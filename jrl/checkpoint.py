@@ -353,6 +353,48 @@ class Checkpointer:
     check_finite(restored['behaviour'], f'{path} (step {step}), behaviour')
     return restored['behaviour']
 
+  def restore_fields(self, step, abstract_fields):
+    """Some fields of checkpoint `step`'s state, without the rest.
+
+    Args:
+      step: the checkpoint.
+      abstract_fields: {field of the saved state (e.g. 'params', 'step'):
+        its abstract tree (`abstract_like`), with the shardings to restore to}.
+        The other fields (optimiser state, critic, ...) are not read.
+
+    Returns:
+      {field: restored tree}, verified like `restore` (checksums, finite values).
+
+    Raises:
+      FileNotFoundError naming the checkpoint directory when there is no such step;
+      CheckpointError naming it when the fields cannot be restored as asked.
+    """
+    path = self.step_dir(step)
+    if step not in self._manager.all_steps():
+      raise FileNotFoundError(f'{path}: no such checkpoint (have {self._manager.all_steps()}).')
+    if not self.verify(step) and self._is_writer:
+      print(f'note: {path} has no checksums ({MANIFEST}); restoring it unverified.', flush=True)
+    abstract = dict(abstract_fields)
+    try:
+      restored = self._manager.restore(
+        int(step),
+        args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(
+            item=abstract,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True,
+          )
+        ),
+      )
+    except Exception as e:
+      names = ', '.join(sorted(abstract))
+      raise CheckpointError(
+        f'{path}: cannot restore {names} of the state ({type(e).__name__}: {e}).'
+      ) from e
+    state = dict(restored['state'])
+    check_finite(state, f'{path} (step {step}), state')
+    return state
+
   def wait(self):
     """Blocks until pending saves are on disk with their checksums."""
     self._seal()

@@ -150,6 +150,22 @@ def test_restoring_a_damaged_step_names_the_step_directory_and_the_file(saved):
   checkpointer.close()
 
 
+def test_some_fields_restore_alone_verified(saved):
+  directory, states = saved
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  wanted = {'params': states[2].params, 'step': states[2].step}
+  restored = checkpointer.restore_fields(2, ckpt_lib.abstract_like(wanted))
+  assert set(restored) == {'params', 'step'}  # the optimiser state is not read
+  assert_trees_equal(restored, wanted)
+  with pytest.raises(FileNotFoundError, match=f'{directory}/7: no such checkpoint'):
+    checkpointer.restore_fields(7, ckpt_lib.abstract_like(wanted))
+  rel = damage(directory, 3, 'flip')
+  with pytest.raises(ckpt_lib.CheckpointError, match='SHA-256') as info:
+    checkpointer.restore_fields(3, ckpt_lib.abstract_like(wanted))
+  assert f'{directory}/3: file {rel}' in str(info.value)
+  checkpointer.close()
+
+
 def test_a_saved_nan_is_refused_naming_the_leaf_and_the_step(tmp_path, capsys):
   directory = str(tmp_path / 'checkpoints')
   states = {1: make_state(1), 2: make_state(2), 3: make_state(3, nan_at='mu')}

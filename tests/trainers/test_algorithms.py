@@ -703,7 +703,8 @@ def test_eval_script_reports_the_checkpoint_accuracy(eval_run, compilation_cache
       assert proc.returncode == 0, err[-3000:]
       result = json.loads(out.strip().splitlines()[-1])
       expected_step = total if step is None else step
-      assert result == {'checkpoint': expected_step, 'eval/accuracy': logged[expected_step]}
+      assert result['checkpoint'] == expected_step
+      assert result['eval/accuracy'] == logged[expected_step]
   finally:
     for proc in procs.values():
       if proc.poll() is None:
