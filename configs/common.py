@@ -200,6 +200,9 @@ def base():
   c.log.wandb_entity = ''  # W&B team or user ('' = the default)
   c.log.wandb_name = ''  # W&B run name ('' = the workdir's name)
   c.log.trace = True  # workdir/trace.json: per-stage spans (Perfetto / chrome://tracing)
+  # iterations (1-based, as metrics' step) captured with jax.profiler into workdir/profile/
+  # (TensorBoard's profiler, Perfetto); jrl's stages appear there as 'jrl/<stage>' annotations
+  c.log.profile_steps = ()
   return c
 
 

@@ -11,6 +11,10 @@ ui.perfetto.dev and chrome://tracing open directly.
 step: with a disaggregated or asynchronous topology the rollout devices
 wait for the trainer (or the reverse), and that wait is the bubble.
 
+`log.profile_steps` captures a `jax.profiler` trace of chosen iterations
+(workdir/profile/, for TensorBoard's profiler or Perfetto), in which every
+span appears as an annotation named 'jrl/<stage>'.
+
 Spans time the host: a stage that only dispatches device work and returns
 is measured as its dispatch. The stages the controller wraps block on
 their results (the sampler reads back every decode dispatch; the update
@@ -22,6 +26,8 @@ import json
 import os
 import threading
 import time
+
+import jax
 
 SCHEMA = {
   '$schema': 'https://json-schema.org/draft/2020-12/schema',
@@ -108,10 +114,16 @@ class Tracer:
 
   @contextlib.contextmanager
   def span(self, name, cat='stage', **args):
-    """Times the body as one span named `name`."""
+    """Times the body as one span named `name`; while a `jax.profiler` trace
+    is being captured (`log.profile_steps`) the span is also a trace
+    annotation of that name, so jrl's stages frame XLA's ops there."""
     start = self.now()
     try:
-      yield
+      if self.enabled:
+        with jax.profiler.TraceAnnotation(f'jrl/{name}'):
+          yield
+      else:
+        yield
     finally:
       self.add(name, start, self.now(), cat, **args)
 

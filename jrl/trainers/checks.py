@@ -315,6 +315,14 @@ def validate(config, batch_shards):
       raise ValueError(f'`{field}`: {msg}')
 
   check_model(config.model, config.algorithm)
+  steps = config.log.profile_steps
+  total = config.sft.steps + rl.steps
+  need(
+    isinstance(steps, tuple | list)
+    and all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= total for i in steps),
+    'log.profile_steps',
+    f'must be iterations between 1 and sft.steps + rl.steps = {total}, got {steps!r}.',
+  )
   need(
     rl.group_size >= 2 or rl.advantage not in GROUP_ESTIMATORS,
     'rl.group_size',

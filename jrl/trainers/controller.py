@@ -24,12 +24,15 @@ All side effects of a run live here; the iteration functions return new
 state and metrics.
 """
 
+import contextlib
 import json
 import os
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import jax
 
 from jrl import checkpoint as ckpt_lib
 from jrl import distributed
@@ -146,6 +149,20 @@ def restore(job, checkpointer, state, progress):
   return restored
 
 
+@contextlib.contextmanager
+def profiling(config, workdir, iteration):
+  """A `jax.profiler` trace of this iteration (1-based, as metrics' `step`) into
+  workdir/profile/ when it is one of `log.profile_steps` (process 0 only)."""
+  if iteration not in tuple(config.log.profile_steps) or not distributed.is_main():
+    yield
+    return
+  jax.profiler.start_trace(os.path.join(workdir, 'profile'))
+  try:
+    yield
+  finally:
+    jax.profiler.stop_trace()
+
+
 def train(job):
   """Runs (or resumes) `job` to `sft.steps + rl.steps` iterations, or until
   SIGTERM; returns the final TrainState."""
@@ -173,7 +190,7 @@ def train(job):
       it = progress.iteration
       in_sft = it < config.sft.steps
       t_start = tracer.now()
-      with tracer.span('step', 'step', iteration=it):
+      with profiling(config, res.workdir, it + 1), tracer.span('step', 'step', iteration=it):
         state, m = job.iterate(state, it)
       if not in_sft and tracer.enabled:
         m.update(tracer.bubbles(t_start, tracer.now()))

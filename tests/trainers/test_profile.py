@@ -1,0 +1,38 @@
+"""`log.profile_steps`: a jax.profiler trace of the chosen iterations, with
+jrl's stages as annotations in it; bad values name the field."""
+
+import glob
+import os
+
+import pytest
+
+from jrl import trainers
+from tests.helpers import QUIET, shrunk_config
+
+
+def test_profiles_the_chosen_iteration_with_stage_annotations(tmp_path):
+  config = shrunk_config(
+    tmp_path / 'run', {**QUIET, 'sft.steps': 0, 'rl.steps': 2, 'log.profile_steps': (2,)}
+  )
+  trainers.run(config)
+  traces = glob.glob(str(tmp_path / 'run' / 'profile' / '**' / '*.xplane.pb'), recursive=True)
+  assert len(traces) == 1, traces  # one capture: iteration 2 only
+  with open(traces[0], 'rb') as f:
+    data = f.read()
+  for stage in (b'jrl/step', b'jrl/generate', b'jrl/update'):
+    assert stage in data, stage
+
+
+def test_no_profile_unless_asked(tmp_path):
+  config = shrunk_config(tmp_path / 'run', {**QUIET, 'sft.steps': 0, 'rl.steps': 1})
+  trainers.run(config)
+  assert not os.path.exists(tmp_path / 'run' / 'profile')
+
+
+@pytest.mark.parametrize('steps', [(0,), (5,), ('1',), (True,)])
+def test_bad_profile_steps_name_the_field(tmp_path, steps):
+  config = shrunk_config(
+    tmp_path / 'run', {**QUIET, 'sft.steps': 0, 'rl.steps': 2, 'log.profile_steps': steps}
+  )
+  with pytest.raises(ValueError, match=r'log\.profile_steps'):
+    trainers.run(config)
