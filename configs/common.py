@@ -180,6 +180,7 @@ def base():
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 10  # iterations between held-out evaluations (0: never)
+  c.eval.at_start = True  # also evaluate before the first iteration (a fresh run)
   c.eval.reward = 'exact_match'  # accuracy = share of held-out examples scoring > 0.5
   c.eval.samples = 0  # n sampled completions per held-out example: mean@n, pass@k (0: greedy only)
   c.eval.temperature = 1.0  # temperature of those samples

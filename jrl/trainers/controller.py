@@ -9,7 +9,7 @@ evaluation and the switch from the SFT warm-up to the main phase.
    (`setup.write_config`: a resumed run with changed fields keeps the old
    one as config.<n>.json and prints the changes), then restores the newest
    intact checkpoint in `workdir`, if there is one;
-2. evaluates once before training (`eval.every` > 0, a fresh run);
+2. evaluates once before training (`eval.every` > 0 and `eval.at_start`, a fresh run);
 3. runs iterations `state, metrics = job.iterate(state, it)` up to
    `sft.steps + rl.steps`, writing metrics every iteration, evaluating every
    `eval.every` and checkpointing every `checkpoint.every`;
@@ -183,7 +183,7 @@ def train(job):
   def due(every, it):
     return every and (it % every == 0 or it == total or it == config.sft.steps)
 
-  if progress.iteration == 0 and config.eval.every:
+  if progress.iteration == 0 and config.eval.every and config.eval.at_start:
     writer.write(0, {**job.evaluate(state), 'phase': 0.0})
   try:
     while progress.iteration < total:

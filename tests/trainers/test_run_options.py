@@ -1,5 +1,6 @@
-"""`log.profile_steps`: a jax.profiler trace of the chosen iterations, with
-jrl's stages as annotations in it; bad values name the field."""
+"""Run options of the controller: `log.profile_steps` (a jax.profiler trace of
+the chosen iterations, jrl's stages as annotations in it; bad values name the
+field) and `eval.at_start`."""
 
 import glob
 import os
@@ -36,3 +37,12 @@ def test_bad_profile_steps_name_the_field(tmp_path, steps):
   )
   with pytest.raises(ValueError, match=r'log\.profile_steps'):
     trainers.run(config)
+
+
+def test_eval_at_start_off_skips_only_the_first_evaluation(tmp_path):
+  from tests.helpers import records
+
+  fields = {'log.plot': False, 'log.tensorboard': False, 'sft.steps': 0, 'rl.steps': 2}
+  fields.update({'eval.every': 2, 'eval.at_start': False})
+  trainers.run(shrunk_config(tmp_path / 'run', fields))
+  assert [r['step'] for r in records(tmp_path / 'run') if 'eval/accuracy' in r] == [2]
