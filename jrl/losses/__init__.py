@@ -13,6 +13,10 @@ name raises `ValueError` naming the argument.
                                         eps_low=0.2, eps_high=0.28)
     loss = L.aggregate(loss_BxT, mask, 'token-mean')
 
+Every policy loss and advantage estimator is also listed by name in
+`jrl.losses.registry` (`POLICY_LOSSES`, `ADVANTAGE_ESTIMATORS`), the one table
+that the trainer and the presets look names up in.
+
 See `jrl/losses/README.md` for the conventions of veRL, TRL, OpenRLHF and
 NeMo-RL and the presets that reproduce each one's GRPO.
 """
@@ -72,5 +76,20 @@ from jrl.losses.reductions import (
   seq_mean_token_sum_norm,
   token_mean,
   token_sum,
+)
+from jrl.losses.registry import (
+  ADVANTAGE_ARGS,
+  ADVANTAGE_ESTIMATORS,
+  GROUP_ADVANTAGES,
+  OUTCOME_ADVANTAGES,
+  POLICY_LOSS_ARGS,
+  POLICY_LOSSES,
+  RETURN_ADVANTAGES,
+  aggregate_loss,
+  get_advantage_estimator,
+  get_policy_loss,
+  outcome_advantages_by_name,
+  policy_loss_by_name,
+  token_advantages_by_name,
 )
 from jrl.losses.value import entropy_loss, value_loss

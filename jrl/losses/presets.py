@@ -9,7 +9,9 @@ and `grpo_loss` composes the `jrl.losses` functions with them. The table in
 
 A preset is data (a NamedTuple of Python scalars and strings), not a config
 object: `grpo_loss` unpacks it into the plain arguments of the underlying
-functions, which remain the reference.
+functions, which remain the reference. Its `advantage` and `loss_agg` names
+go through `jrl.losses.registry`, as the trainer's do; `kl_estimator` is the
+`estimator` of `kl_penalty`.
 """
 
 from typing import NamedTuple
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 
 from jrl.losses import advantages as adv_lib
 from jrl.losses import kl as kl_lib
-from jrl.losses import policy, reductions
+from jrl.losses import policy, reductions, registry
 from jrl.losses._checks import check_choice, check_rank, check_same_shape
 
 
@@ -27,11 +29,11 @@ class GRPOPreset(NamedTuple):
   """Every convention that makes one framework's GRPO differ from another's."""
 
   name: str
-  advantage: str  # 'group' (grpo_advantages) or 'loo' (loo_advantages).
+  advantage: str  # a name in registry.OUTCOME_ADVANTAGES ('grpo' or 'loo' below).
   adv_scale: str  # grpo_advantages `scale`: 'group' | 'batch' | 'none'.
-  adv_std: str  # 'unbiased' | 'biased'.
+  adv_std: str  # grpo_advantages `std`: 'unbiased' | 'biased'.
   adv_eps: float  # ε added to the std.
-  singleton: str  # group_size == 1 rule: 'zero' | 'raw' | 'error'.
+  singleton: str  # grpo_advantages group_size == 1 rule: 'zero' | 'raw' | 'error'.
   eps_low: float  # PPO clip range below 1.
   eps_high: float  # PPO clip range above 1.
   dual_clip_c: float | None  # dual-clip bound for A < 0, None for none.
@@ -51,7 +53,7 @@ PRESETS = {
   # low_var_kl (clamps ±20 in, ±10 out), kl_loss_coef 0.001.
   'verl': GRPOPreset(
     name='verl',
-    advantage='group',
+    advantage='grpo',
     adv_scale='group',
     adv_std='unbiased',
     adv_eps=1e-6,
@@ -75,7 +77,7 @@ PRESETS = {
   # releases defaulted to False: _replace(kl_estimator='k3') for those).
   'trl': GRPOPreset(
     name='trl',
-    advantage='group',
+    advantage='grpo',
     adv_scale='group',
     adv_std='unbiased',
     adv_eps=1e-4,
@@ -97,7 +99,7 @@ PRESETS = {
   # clamped to ±10, used as a loss (--use_kl_loss), init_kl_coef 0.01.
   'openrlhf': GRPOPreset(
     name='openrlhf',
-    advantage='group',
+    advantage='grpo',
     adv_scale='group',
     adv_std='unbiased',
     adv_eps=1e-9,
@@ -139,7 +141,7 @@ PRESETS = {
   # padded response length), no KL.
   'dr_grpo': GRPOPreset(
     name='dr_grpo',
-    advantage='group',
+    advantage='grpo',
     adv_scale='none',
     adv_std='unbiased',
     adv_eps=0.0,
@@ -159,7 +161,7 @@ PRESETS = {
   # dynamic sampling and overlong shaping live in the trainer.
   'dapo': GRPOPreset(
     name='dapo',
-    advantage='group',
+    advantage='grpo',
     adv_scale='group',
     adv_std='unbiased',
     adv_eps=1e-6,
@@ -196,17 +198,14 @@ def preset_advantages(rewards, group_size, preset, *, axis_name=None):
   Returns:
     [B] float32.
   """
-  if preset.advantage == 'loo':
-    return adv_lib.loo_advantages(rewards, group_size, normalize=True, eps=preset.adv_eps)
-  check_choice(preset.advantage, 'preset.advantage', ('group', 'loo'))
-  return adv_lib.grpo_advantages(
-    rewards,
-    group_size,
-    scale=preset.adv_scale,
-    std=preset.adv_std,
-    eps=preset.adv_eps,
-    singleton=preset.singleton,
-    axis_name=axis_name,
+  args = {
+    'scale': preset.adv_scale,
+    'std': preset.adv_std,
+    'eps': preset.adv_eps,
+    'singleton': preset.singleton,
+  }
+  return registry.outcome_advantages_by_name(
+    preset.advantage, rewards, group_size, args, axis_name=axis_name, field='preset.advantage'
   )
 
 
@@ -283,13 +282,11 @@ def grpo_loss(
     )
     total_BxT = pg_BxT + beta * kl_BxT
 
-  agg_kwargs = {'axis_name': axis_name}
-  if preset.loss_agg == 'seq-mean-token-sum-norm':
-    agg_kwargs['norm'] = preset.loss_norm or logp.shape[1]
-  loss = reductions.aggregate(total_BxT, mask, preset.loss_agg, **agg_kwargs)
+  agg = {'loss_norm': preset.loss_norm, 'axis_name': axis_name}
+  loss = registry.aggregate_loss(total_BxT, mask, preset.loss_agg, **agg)
   stop = jax.lax.stop_gradient
-  metrics['pg_loss'] = reductions.aggregate(stop(pg_BxT), mask, preset.loss_agg, **agg_kwargs)
-  metrics['kl'] = reductions.aggregate(stop(kl_BxT), mask, preset.loss_agg, **agg_kwargs)
+  metrics['pg_loss'] = registry.aggregate_loss(stop(pg_BxT), mask, preset.loss_agg, **agg)
+  metrics['kl'] = registry.aggregate_loss(stop(kl_BxT), mask, preset.loss_agg, **agg)
   metrics['advantages_mean'] = reductions.token_mean(adv_BxT, mask, axis_name=axis_name)
   centred_sq = jnp.square(adv_BxT - metrics['advantages_mean'])
   metrics['advantages_std'] = jnp.sqrt(reductions.token_mean(centred_sq, mask, axis_name=axis_name))

@@ -26,9 +26,7 @@ import jax
 
 from jrl import losses as L
 from jrl.models.config import LORA_TARGETS, REMAT_POLICIES
-from jrl.trainers import policy
 
-GROUP_ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp_baseline')
 TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
 
 
@@ -324,12 +322,13 @@ def validate(config, batch_shards):
     f'must be iterations between 1 and sft.steps + rl.steps = {total}, got {steps!r}.',
   )
   need(
-    rl.group_size >= 2 or rl.advantage not in GROUP_ESTIMATORS,
+    rl.group_size >= 2 or rl.advantage not in L.GROUP_ADVANTAGES,
     'rl.group_size',
     f'must be >= 2 for the group estimator {rl.advantage!r}.',
   )
-  need(rl.advantage in policy.ESTIMATORS, 'rl.advantage', f'must be one of {policy.ESTIMATORS}.')
-  need(rl.policy_loss in policy.POLICY_LOSSES, 'rl.policy_loss', f'one of {policy.POLICY_LOSSES}.')
+  estimators, policy_losses = tuple(L.ADVANTAGE_ESTIMATORS), tuple(L.POLICY_LOSSES)
+  need(rl.advantage in estimators, 'rl.advantage', f'must be one of {estimators}.')
+  need(rl.policy_loss in policy_losses, 'rl.policy_loss', f'one of {policy_losses}.')
   need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
   rows = rl.prompts_per_step * rl.group_size
   need(

@@ -7,7 +7,7 @@ RL iteration reads:
     rollout  = topology.next_rollout(params, it)      # generate + score (worker)
     rollout  = place_rollout(rollout, ...)            # mesh, reward shaping, reference
     A        = advantages(rewards, loss_mask)         # group-normalised, per token
-    state    = epochs x minibatches of policy.train_step(state, batch)
+    state    = epochs x minibatches of policy_step.train_step(state, batch)
 
 One-step-off (staleness 1) adds decoupled PPO: the clip is taken against
 the current (proximal) policy and the loss weighted by the truncated ratio
@@ -27,13 +27,13 @@ import jax.numpy as jnp
 
 from jrl import losses as L
 from jrl import models
-from jrl.trainers import common, controller, online, policy, rollout, setup, sft
+from jrl.trainers import common, controller, online, policy_step, rollout, setup, sft
 
 
 class Steps(NamedTuple):
   """The jitted functions of a GRPO-family run."""
 
-  rl: Any  # policy.train_step
+  rl: Any  # policy_step.train_step
   logprobs: Any  # (params, tokens, mask) -> logp [B, T]
   advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None) -> [B, T]
 
@@ -53,18 +53,20 @@ def make_steps(config, res, tx, schedule, shardings):
   rl = config.rl
   rl_step = jax.jit(
     functools.partial(
-      policy.train_step,
+      policy_step.train_step,
       graphdef=res.model.graphdef,
       tx=tx,
       schedule=schedule,
-      cfg=policy.loss_config(rl),
+      cfg=policy_step.loss_config(rl),
       accum=int(config.optim.grad_accum),
     ),
     donate_argnums=(0,),
     out_shardings=shardings,
   )
   advantages = jax.jit(
-    functools.partial(policy.advantages, group_size=rl.group_size, cfg=policy.advantage_config(rl))
+    functools.partial(
+      policy_step.advantages, group_size=rl.group_size, cfg=policy_step.advantage_config(rl)
+    )
   )
   return Steps(rl_step, logprobs_fn(config, res.model.graphdef), advantages)
 
@@ -90,7 +92,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
   steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
   shaper = online.RewardShaper(config.reward)
-  adv_cfg = policy.advantage_config(rl)
+  adv_cfg = policy_step.advantage_config(rl)
 
   def rl_iteration(state, it):
     t_step = time.perf_counter()
@@ -107,7 +109,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
     if topo.staleness:
       old_logp, is_weights, stale_metrics = proximal(state, ro, it)
       m.update(stale_metrics)
-    full = policy.PolicyBatch(
+    full = policy_step.PolicyBatch(
       tokens=ro.batch.tokens,
       mask=ro.batch.mask,
       loss_mask=mask,

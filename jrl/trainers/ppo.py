@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jrl import losses as L
 from jrl import models
 from jrl.models import hf as hf_lib
-from jrl.trainers import common, controller, grpo, online, policy, rollout, setup, sft
+from jrl.trainers import common, controller, grpo, online, policy_step, rollout, setup, sft
 from jrl.trainers.optim import make_optimizer
 
 
@@ -75,10 +75,10 @@ def train_step(
   Returns:
     (state, metrics); a non-finite loss or gradient skips that model's update.
   """
-  pbatch = policy.PolicyBatch(
+  pbatch = policy_step.PolicyBatch(
     batch.tokens, batch.mask, batch.loss_mask, batch.old_logp, batch.ref_logp, batch.advantages
   )
-  (loss, metrics), grads = jax.value_and_grad(policy.policy_loss, has_aux=True)(
+  (loss, metrics), grads = jax.value_and_grad(policy_step.policy_loss, has_aux=True)(
     state.params, graphdef, pbatch, cfg
   )
   state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule)
@@ -144,7 +144,7 @@ def make_steps(config, res, critic_graphdef, optimizers, shardings):
       schedule=schedule,
       critic_tx=critic_tx,
       critic_schedule=critic_schedule,
-      cfg=policy.loss_config(config.rl),
+      cfg=policy_step.loss_config(config.rl),
       value_clip=config.ppo.value_clip,
     ),
     donate_argnums=(0,),

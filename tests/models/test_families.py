@@ -41,7 +41,7 @@ from jrl.models import hf
 from jrl.models.config import LinearRopeScaling
 from jrl.sampler import EngineConfig, Request, Sampler
 from jrl.sampler import attention as paged
-from jrl.trainers import common, policy
+from jrl.trainers import common, policy_step
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -507,7 +507,7 @@ def _policy_batch(vocab, b=4, length=T, seed=0):
   lengths = np.asarray([length, length - 2, 8, 6])[:b]
   mask = np.arange(length)[None, :] < lengths[:, None]
   loss_mask = mask & (np.arange(length)[None, :] >= 4)
-  return policy.PolicyBatch(
+  return policy_step.PolicyBatch(
     tokens=jnp.asarray(np.where(mask, tokens, 0)),
     mask=jnp.asarray(mask),
     loss_mask=jnp.asarray(loss_mask),
@@ -522,10 +522,12 @@ def test_grpo_step_sharded_equals_single_device(loaded, name):
   ckpt = loaded[name]
   tx = optax.sgd(1e-2)
   schedule = optax.constant_schedule(1e-2)
-  cfg = policy.PolicyLossConfig(policy_loss='ppo', kl_coef=0.0, chunk_size=16)
+  cfg = policy_step.PolicyLossConfig(policy_loss='ppo', kl_coef=0.0, chunk_size=16)
   batch = _policy_batch(ckpt.config.vocab_size)
   step = jax.jit(
-    functools.partial(policy.train_step, graphdef=ckpt.graphdef, tx=tx, schedule=schedule, cfg=cfg)
+    functools.partial(
+      policy_step.train_step, graphdef=ckpt.graphdef, tx=tx, schedule=schedule, cfg=cfg
+    )
   )
   single_state, single = step(common.init_state(ckpt.params, tx), batch)
 

@@ -1,6 +1,6 @@
 """Tests for the GRPO-family run (`jrl.trainers.grpo`, driven by
 `jrl.trainers.controller`) and the pieces it is built from
-(`policy.train_step` / `advantages`, `common.apply_gradients` /
+(`policy_step.train_step` / `advantages`, `common.apply_gradients` /
 `pack_sequences`, `optim.make_optimizer`).
 
 End-to-end tests shrink the real job, `configs/grpo_arith.py` (STYLE.md point
@@ -34,9 +34,10 @@ import pytest
 from configs import common as config_common
 from configs import grpo_arith
 from jrl import checkpoint as ckpt_lib
+from jrl import losses as L
 from jrl import metrics as metrics_lib
 from jrl import models, rewards, trainers
-from jrl.trainers import checks, common, controller, grpo, policy
+from jrl.trainers import checks, common, controller, grpo, policy_step
 from jrl.trainers.optim import make_optimizer
 from tests.helpers import (
   QUIET,
@@ -248,13 +249,13 @@ def test_jitted_steps_compile_once(kl_dynamic_run):
 
 
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
-  original = policy.policy_loss
+  original = policy_step.policy_loss
 
   def nan_loss(params, graphdef, batch, cfg):
     loss, metrics = original(params, graphdef, batch, cfg)
     return loss * jnp.nan, metrics
 
-  monkeypatch.setattr(policy, 'policy_loss', nan_loss)  # only the RL phase uses it
+  monkeypatch.setattr(policy_step, 'policy_loss', nan_loss)  # only the RL phase uses it
   last = []  # the state the last RL update returned (its inputs are donated)
 
   def keep_last_state(steps):
@@ -517,13 +518,13 @@ def test_train_step_does_not_materialise_full_logits():
   state = common.init_state(params, tx)
 
   def temp_bytes(t, chunk_size):
-    cfg = policy.PolicyLossConfig(chunk_size=chunk_size, kl_coef=0.1, entropy_coef=0.01)
+    cfg = policy_step.PolicyLossConfig(chunk_size=chunk_size, kl_coef=0.1, entropy_coef=0.01)
     step = functools.partial(
-      policy.train_step, graphdef=graphdef, tx=tx, schedule=schedule, cfg=cfg
+      policy_step.train_step, graphdef=graphdef, tx=tx, schedule=schedule, cfg=cfg
     )
     f32 = jax.ShapeDtypeStruct((rows, t), jnp.float32)
     flags = jax.ShapeDtypeStruct((rows, t), jnp.bool_)
-    batch = policy.PolicyBatch(
+    batch = policy_step.PolicyBatch(
       tokens=jax.ShapeDtypeStruct((rows, t), jnp.int32),
       mask=flags,
       loss_mask=flags,
@@ -652,13 +653,13 @@ def _numpy_advantages(estimator, lengths):
   return (outcome - tokens.mean()) / np.sqrt(tokens.var(ddof=1) + 1e-8)
 
 
-@pytest.mark.parametrize('estimator', policy.ESTIMATORS)
+@pytest.mark.parametrize('estimator', L.ADVANTAGE_ESTIMATORS)
 def test_advantages_per_token_and_zero_outside_the_loss_mask(estimator):
   batch = common.pack_sequences(PROMPTS, RESPONSES, 8)
   loss_mask = batch.loss_mask
-  cfg = policy.AdvantageConfig(estimator=estimator)
+  cfg = policy_step.AdvantageConfig(estimator=estimator)
   adv = np.asarray(
-    jax.jit(functools.partial(policy.advantages, group_size=G, cfg=cfg))(
+    jax.jit(functools.partial(policy_step.advantages, group_size=G, cfg=cfg))(
       jnp.asarray(REWARDS, jnp.float32), jnp.asarray(loss_mask)
     )
   )
@@ -672,9 +673,9 @@ def test_advantages_per_token_and_zero_outside_the_loss_mask(estimator):
 
 def test_advantages_unknown_estimator_names_the_field():
   mask = jnp.ones((4, 3), bool)
-  cfg = policy.AdvantageConfig(estimator='vtrace')
+  cfg = policy_step.AdvantageConfig(estimator='vtrace')
   with pytest.raises(ValueError, match=re.escape('`rl.advantage`')):
-    policy.advantages(jnp.zeros(4), mask, 2, cfg)
+    policy_step.advantages(jnp.zeros(4), mask, 2, cfg)
 
 
 # Exact resume, in subprocesses ----------------------------------------------------------
@@ -872,7 +873,7 @@ def test_resumed_run_has_no_duplicated_steps(resumed_runs):
 )
 def test_trl_objectives_reach_the_loss_from_config(overrides):
   """The TRL-style objectives and their settings go from `rl.*` to the loss."""
-  cfg = policy.loss_config(shrunk_config('/tmp/unused', overrides).rl)
+  cfg = policy_step.loss_config(shrunk_config('/tmp/unused', overrides).rl)
   for key, value in overrides.items():
     assert getattr(cfg, key.split('.', 1)[1]) == value
 

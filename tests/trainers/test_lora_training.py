@@ -22,7 +22,7 @@ from jrl import models, parallel, rewards, trainers
 from jrl.models import hf as hf_lib
 from jrl.models import lora
 from jrl.models.tokenizer import CharTokenizer
-from jrl.trainers import checks, common, controller, policy, setup
+from jrl.trainers import checks, common, controller, policy_step, setup
 from jrl.trainers.optim import make_optimizer
 from tests.helpers import QUIET, assert_trees_equal, optim_config, records, shrunk_config
 
@@ -229,7 +229,7 @@ def first_steps(workdir, overrides):
       np.where(loss_mask, rng.standard_normal((rows, 1)), 0).astype(np.float32),
       res.batch_sharding,
     )
-    full = policy.PolicyBatch(
+    full = policy_step.PolicyBatch(
       batch.tokens, batch.mask, batch.loss_mask, old_logp, jnp.zeros_like(old_logp), advantages
     )
     state, rl_m = steps.rl(state, full)

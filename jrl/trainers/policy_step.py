@@ -9,6 +9,10 @@ sampler), `ref_logp` the reference model's (unused when `kl_coef` is 0), and
 
     ℓ_t = policy_loss(logp, old_logp, A) + β · KL_t(π ‖ π_ref) − c_H · H_t
     L   = aggregate(ℓ, loss_mask, loss_agg)
+
+`policy_loss` and `advantage` are names that `jrl.losses.registry` looks up
+(`L.POLICY_LOSSES`, `L.ADVANTAGE_ESTIMATORS`); this module only turns the
+config's plain values into those functions' keyword arguments.
 """
 
 from typing import NamedTuple
@@ -36,12 +40,12 @@ class PolicyBatch(NamedTuple):
 class PolicyLossConfig(NamedTuple):
   """Plain values, read from `config.rl` at the edge."""
 
-  policy_loss: str = 'ppo'  # one of POLICY_LOSSES
+  policy_loss: str = 'ppo'  # one of L.POLICY_LOSSES
   eps_low: float = 0.2
   eps_high: float = 0.2
   dual_clip_c: float | None = None
   log_ratio_clamp: float | None = None
-  loss_agg: str = 'token-mean'
+  loss_agg: str = 'token-mean'  # one of L.AGGREGATION_MODES
   loss_norm: float | None = None  # seq-mean-token-sum-norm constant (None: L)
   kl_coef: float = 0.0  # KL in the loss (0: off)
   kl_estimator: str = 'k3'  # one of L.KL_ESTIMATORS; 'k3_ratio_corrected' uses old_logp
@@ -59,7 +63,24 @@ class PolicyLossConfig(NamedTuple):
   off_policy_mask_threshold: float | None = None  # δ of L.off_policy_sequence_mask (None: off)
 
 
-POLICY_LOSSES = ('ppo', 'gspo', 'cispo', 'sapo', 'vespo')
+def policy_loss_args(cfg):
+  """The keyword arguments of the registered policy losses (`L.POLICY_LOSS_ARGS`).
+
+  One mapping for every loss: `L.policy_loss_by_name` passes on the ones
+  that the chosen loss takes, and None leaves that loss's default.
+  """
+  return {
+    'eps_low': cfg.eps_low,
+    'eps_high': cfg.eps_high,
+    'dual_clip_c': cfg.dual_clip_c,
+    'log_ratio_clamp': cfg.log_ratio_clamp,
+    'tau_pos': cfg.sapo_tau_pos,
+    'tau_neg': cfg.sapo_tau_neg,
+    'k_pos': cfg.vespo_k_pos,
+    'lambda_pos': cfg.vespo_lambda_pos,
+    'k_neg': cfg.vespo_k_neg,
+    'lambda_neg': cfg.vespo_lambda_neg,
+  }
 
 
 def policy_loss(params, graphdef, batch, cfg):
@@ -78,47 +99,9 @@ def policy_loss(params, graphdef, batch, cfg):
     with_entropy=True,
   )
   m = batch.loss_mask
-  if cfg.policy_loss == 'ppo':
-    pg, metrics = L.ppo_clip_loss(
-      logp,
-      batch.old_logp,
-      batch.advantages,
-      m,
-      eps_low=cfg.eps_low,
-      eps_high=cfg.eps_high,
-      dual_clip_c=cfg.dual_clip_c,
-      log_ratio_clamp=cfg.log_ratio_clamp,
-    )
-  elif cfg.policy_loss == 'gspo':
-    pg, metrics = L.gspo_loss(
-      logp, batch.old_logp, batch.advantages, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high
-    )
-  elif cfg.policy_loss == 'cispo':
-    pg, metrics = L.cispo_loss(logp, batch.old_logp, batch.advantages, m, eps_high=cfg.eps_high)
-  elif cfg.policy_loss == 'sapo':
-    clamp = {} if cfg.log_ratio_clamp is None else {'log_ratio_clamp': cfg.log_ratio_clamp}
-    pg, metrics = L.sapo_loss(
-      logp,
-      batch.old_logp,
-      batch.advantages,
-      m,
-      tau_pos=cfg.sapo_tau_pos,
-      tau_neg=cfg.sapo_tau_neg,
-      **clamp,
-    )
-  elif cfg.policy_loss == 'vespo':
-    pg, metrics = L.vespo_loss(
-      logp,
-      batch.old_logp,
-      batch.advantages,
-      m,
-      k_pos=cfg.vespo_k_pos,
-      lambda_pos=cfg.vespo_lambda_pos,
-      k_neg=cfg.vespo_k_neg,
-      lambda_neg=cfg.vespo_lambda_neg,
-    )
-  else:
-    raise ValueError(f'`policy_loss` must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}.')
+  pg, metrics = L.policy_loss_by_name(
+    cfg.policy_loss, logp, batch.old_logp, batch.advantages, m, policy_loss_args(cfg)
+  )
   if cfg.off_policy_mask_threshold is not None:
     # DeepSeek-V3.2's off-policy sequence mask, against the behaviour logprobs.
     keep, opsm_metrics = L.off_policy_sequence_mask(
@@ -144,13 +127,10 @@ def policy_loss(params, graphdef, batch, cfg):
     total = total + cfg.kl_coef * kl
   if cfg.entropy_coef:
     total = total + cfg.entropy_coef * L.entropy_loss(entropy, m)
-  agg = {}
-  if cfg.loss_agg == 'seq-mean-token-sum-norm':
-    agg['norm'] = cfg.loss_norm or batch.tokens.shape[1]
-  loss = L.aggregate(total, m, cfg.loss_agg, **agg)
+  loss = L.aggregate_loss(total, m, cfg.loss_agg, loss_norm=cfg.loss_norm)
   stop = jax.lax.stop_gradient
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
-  metrics['actor/pg_loss'] = L.aggregate(stop(pg), m, cfg.loss_agg, **agg)
+  metrics['actor/pg_loss'] = L.aggregate_loss(stop(pg), m, cfg.loss_agg, loss_norm=cfg.loss_norm)
   metrics['actor/kl_ref'] = L.token_mean(stop(kl), m)
   metrics['actor/entropy'] = L.token_mean(stop(entropy), m)
   # Before any update this is the sampler-vs-trainer logprob difference.
@@ -185,7 +165,7 @@ def train_step(state, batch, *, graphdef, tx, schedule, cfg, accum=1):
 
 
 class AdvantageConfig(NamedTuple):
-  estimator: str = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
+  estimator: str = 'grpo'  # one of L.ADVANTAGE_ESTIMATORS
   scale: str = 'group'  # grpo: 'group' | 'batch' | 'none'
   std: str = 'unbiased'
   eps: float = 1e-6
@@ -193,35 +173,23 @@ class AdvantageConfig(NamedTuple):
   kl_coef_in_reward: float = 0.0  # β of a KL penalty folded into the reward
 
 
-ESTIMATORS = ('grpo', 'dr_grpo', 'rloo', 'loo', 'reinforce_pp', 'reinforce_pp_baseline')
-
-
 def advantages(rewards_B, loss_mask_BxT, group_size, cfg, kl_BxT=None):
-  """Per-token advantages [B, T] of one rollout batch.
+  """Per-token advantages [B, T] of one rollout batch (`L.token_advantages_by_name`).
 
   Outcome estimators (grpo, dr_grpo, rloo, loo) give each response token its
   sequence's advantage; REINFORCE++ variants use per-token returns with the
   KL penalty (β = `kl_coef_in_reward`) in the reward.
   """
-  m = loss_mask_BxT
-  if cfg.estimator == 'grpo':
-    adv = L.grpo_advantages(rewards_B, group_size, scale=cfg.scale, std=cfg.std, eps=cfg.eps)
-  elif cfg.estimator == 'dr_grpo':
-    adv = L.dr_grpo_advantages(rewards_B, group_size)
-  elif cfg.estimator == 'rloo':
-    adv = L.rloo_advantages(rewards_B, group_size)
-  elif cfg.estimator == 'loo':
-    adv = L.loo_advantages(rewards_B, group_size, eps=cfg.eps)
-  elif cfg.estimator == 'reinforce_pp':
-    tok = L.token_level_rewards(rewards_B, m, kl=kl_BxT, kl_coef=cfg.kl_coef_in_reward)
-    return L.reinforce_pp_advantages(tok, m, gamma=cfg.gamma)
-  elif cfg.estimator == 'reinforce_pp_baseline':
-    return L.reinforce_pp_baseline_advantages(
-      rewards_B, m, group_size, kl=kl_BxT, kl_coef=cfg.kl_coef_in_reward, gamma=cfg.gamma
-    )
-  else:
-    raise ValueError(f'`rl.advantage` must be one of {ESTIMATORS}, got {cfg.estimator!r}.')
-  return L.broadcast_to_tokens(adv, m)
+  args = {
+    'scale': cfg.scale,
+    'std': cfg.std,
+    'eps': cfg.eps,
+    'gamma': cfg.gamma,
+    'kl_coef': cfg.kl_coef_in_reward,
+  }
+  return L.token_advantages_by_name(
+    cfg.estimator, rewards_B, loss_mask_BxT, group_size, args, kl=kl_BxT, field='rl.advantage'
+  )
 
 
 # From the config ------------------------------------------------------------

@@ -1,0 +1,194 @@
+"""Tests for the name -> function tables of jrl.losses.registry.
+
+The tables are consistent (every name has its argument list, every listed
+argument is a keyword of its function); a lookup by name is bit-identical
+to calling the function with the listed arguments, jitted or not; None
+leaves a function's default; and an unknown name or argument raises a
+ValueError that lists what is valid. The numerics themselves are the
+kernels' and are tested in test_policy.py, test_soft_policy.py and
+test_advantages.py.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrl.losses as L
+from jrl.losses import registry
+
+B, T, G = 8, 6, 4
+
+# One mapping for every loss, as the trainer passes it.
+LOSS_ARGS = {
+  'eps_low': 0.2,
+  'eps_high': 0.28,
+  'dual_clip_c': 3.0,
+  'log_ratio_clamp': None,
+  'tau_pos': 1.0,
+  'tau_neg': 2.0,
+  'k_pos': 1.0,
+  'lambda_pos': 3.0,
+  'k_neg': 3.0,
+  'lambda_neg': 2.0,
+}
+ADV_ARGS = {'scale': 'group', 'std': 'unbiased', 'eps': 1e-6, 'gamma': 0.9, 'kl_coef': 0.05}
+
+
+def _batch(seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  mask = (jnp.arange(T)[None, :] < jnp.asarray([6, 5, 3, 1, 6, 2, 4, 6])[:, None]).astype(
+    jnp.float32
+  )
+  old = -1.5 + 0.5 * jax.random.normal(k[0], (B, T))
+  logp = old + 0.3 * jax.random.normal(k[1], (B, T))
+  rewards = jax.random.uniform(k[2], (B,)).round(1)
+  adv = L.broadcast_to_tokens(L.grpo_advantages(rewards, G), mask)
+  kl = 0.1 * jax.random.normal(k[3], (B, T)) * mask
+  return logp, old, adv, mask, rewards, kl
+
+
+def _same(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+# The tables ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  'fns, args', [(L.POLICY_LOSSES, L.POLICY_LOSS_ARGS), (L.ADVANTAGE_ESTIMATORS, L.ADVANTAGE_ARGS)]
+)
+def test_every_name_lists_keywords_of_its_function(fns, args):
+  assert list(fns) == list(args)
+  for name, fn in fns.items():
+    params = inspect.signature(fn).parameters
+    for key in args[name]:
+      assert params[key].kind is inspect.Parameter.KEYWORD_ONLY, (name, key)
+
+
+def test_advantage_kinds_partition_the_estimators():
+  assert not set(L.OUTCOME_ADVANTAGES) & set(L.RETURN_ADVANTAGES)
+  assert {**L.OUTCOME_ADVANTAGES, **L.RETURN_ADVANTAGES} == L.ADVANTAGE_ESTIMATORS
+  assert set(L.GROUP_ADVANTAGES) <= set(L.ADVANTAGE_ESTIMATORS)
+
+
+def test_the_tables_hold_the_public_functions():
+  assert L.POLICY_LOSSES['ppo'] is L.ppo_clip_loss
+  assert L.POLICY_LOSSES['vespo'] is L.vespo_loss
+  assert L.ADVANTAGE_ESTIMATORS['loo'] is L.loo_advantages
+  assert registry.KL_ESTIMATORS == L.KL_ESTIMATORS
+  assert registry.AGGREGATION_MODES == L.AGGREGATION_MODES
+
+
+# Lookups ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  'lookup, names',
+  [(L.get_policy_loss, L.POLICY_LOSSES), (L.get_advantage_estimator, L.ADVANTAGE_ESTIMATORS)],
+)
+def test_unknown_name_lists_the_valid_names(lookup, names):
+  with pytest.raises(ValueError, match='must be one of') as info:
+    lookup('vtrace')
+  assert str(tuple(names)) in str(info.value) and "'vtrace'" in str(info.value)
+
+
+def test_unknown_name_error_names_the_field():
+  rewards, mask = jnp.zeros(4), jnp.ones((4, 3))
+  with pytest.raises(ValueError, match=r'^`rl\.advantage` must be one of'):
+    L.token_advantages_by_name('vtrace', rewards, mask, 2, {}, field='rl.advantage')
+
+
+def test_unknown_argument_is_named():
+  logp, old, adv, mask, *_ = _batch()
+  with pytest.raises(ValueError, match=r"\['eps_hgh'\] are not arguments of any policy loss"):
+    L.policy_loss_by_name('ppo', logp, old, adv, mask, {'eps_hgh': 0.3})
+  with pytest.raises(ValueError, match=r"\['tau_pos'\] are not arguments of any advantage"):
+    L.token_advantages_by_name('grpo', jnp.zeros(4), jnp.ones((4, 3)), 2, {'tau_pos': 1.0})
+
+
+def test_outcome_lookup_refuses_a_return_estimator():
+  with pytest.raises(ValueError, match=r'`advantage` must be one of .*\'loo\'\)'):
+    L.outcome_advantages_by_name('reinforce_pp', jnp.zeros(4), 2, {})
+
+
+# Dispatch is the direct call ----------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', list(L.POLICY_LOSSES))
+@pytest.mark.parametrize('jit', [False, True])
+def test_policy_loss_by_name_is_the_direct_call(name, jit):
+  logp, old, adv, mask, *_ = _batch()
+  kwargs = {k: LOSS_ARGS[k] for k in L.POLICY_LOSS_ARGS[name] if LOSS_ARGS[k] is not None}
+  by_name = lambda lp: L.policy_loss_by_name(name, lp, old, adv, mask, LOSS_ARGS)
+  direct = lambda lp: L.POLICY_LOSSES[name](lp, old, adv, mask, **kwargs)
+  if jit:
+    by_name, direct = jax.jit(by_name), jax.jit(direct)
+  _same(by_name(logp), direct(logp))
+
+
+def test_none_leaves_the_default_and_unlisted_arguments_are_not_passed():
+  logp, old, adv, mask, *_ = _batch(1)
+  logp = logp.at[0, 0].add(40.0)  # beyond SAPO's default clamp of 20
+  sapo = L.policy_loss_by_name('sapo', logp, old, adv, mask, {'log_ratio_clamp': None})
+  _same(sapo, L.sapo_loss(logp, old, adv, mask, log_ratio_clamp=20.0))
+  # CISPO takes ε_high only: its lower bound stays off whatever eps_low is.
+  cispo = L.policy_loss_by_name('cispo', logp, old, adv, mask, {'eps_low': 0.01, 'eps_high': 0.3})
+  _same(cispo, L.cispo_loss(logp, old, adv, mask, eps_low=None, eps_high=0.3))
+
+
+def _direct_advantages(name, rewards, mask, kl):
+  """What the trainer computed before the registry, estimator by estimator."""
+  if name == 'grpo':
+    return L.broadcast_to_tokens(L.grpo_advantages(rewards, G, eps=1e-6), mask)
+  if name == 'loo':
+    return L.broadcast_to_tokens(L.loo_advantages(rewards, G, eps=1e-6), mask)
+  if name == 'dr_grpo':
+    return L.broadcast_to_tokens(L.dr_grpo_advantages(rewards, G), mask)
+  if name == 'rloo':
+    return L.broadcast_to_tokens(L.rloo_advantages(rewards, G), mask)
+  if name == 'reinforce_pp':
+    token_rewards = L.token_level_rewards(rewards, mask, kl=kl, kl_coef=0.05)
+    return L.reinforce_pp_advantages(token_rewards, mask, gamma=0.9)
+  return L.reinforce_pp_baseline_advantages(rewards, mask, G, kl=kl, kl_coef=0.05, gamma=0.9)
+
+
+@pytest.mark.parametrize('name', list(L.ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize('jit', [False, True])
+def test_token_advantages_by_name_is_the_direct_call(name, jit):
+  *_, mask, rewards, kl = _batch(2)
+  by_name = lambda r, m, k: L.token_advantages_by_name(name, r, m, G, ADV_ARGS, kl=k)
+  direct = lambda r, m, k: _direct_advantages(name, r, m, k)
+  if jit:
+    by_name, direct = jax.jit(by_name), jax.jit(direct)
+  adv = by_name(rewards, mask, kl)
+  _same(adv, direct(rewards, mask, kl))
+  assert adv.shape == (B, T) and np.all(np.asarray(adv)[np.asarray(mask) == 0] == 0.0)
+
+
+def test_outcome_advantages_by_name_takes_every_listed_argument():
+  rewards = jnp.asarray([1.0, 0.0, 0.0, 0.0], jnp.float32)
+  args = {'scale': 'none', 'std': 'biased', 'eps': 0.0, 'singleton': 'raw'}
+  _same(
+    L.outcome_advantages_by_name('grpo', rewards, 1, args),
+    L.grpo_advantages(rewards, 1, scale='none', singleton='raw'),
+  )
+  np.testing.assert_array_equal(L.outcome_advantages_by_name('grpo', rewards, 1, args), rewards)
+
+
+@pytest.mark.parametrize('mode', L.AGGREGATION_MODES)
+def test_aggregate_loss_norm_rule(mode):
+  logp, _, _, mask, *_ = _batch(3)
+  norm = {'norm': T} if mode == 'seq-mean-token-sum-norm' else {}
+  _same(L.aggregate_loss(logp, mask, mode), L.aggregate(logp, mask, mode, **norm))
+  if mode == 'seq-mean-token-sum-norm':
+    _same(
+      L.aggregate_loss(logp, mask, mode, loss_norm=3.0), L.aggregate(logp, mask, mode, norm=3.0)
+    )
+  else:  # the other modes ignore loss_norm
+    _same(L.aggregate_loss(logp, mask, mode, loss_norm=3.0), L.aggregate(logp, mask, mode))
