@@ -79,19 +79,27 @@ class HeldOut:
     self.path = os.path.join(os.path.abspath(config.workdir), EXAMPLES_FILE)
     self._scorer = None
     self._calls = 0
+    self._prompts = None  # (token ids, rendered texts), encoded at the first evaluation
+
+  def _encoded(self):
+    if self._prompts is None:
+      texts = [self.encoder.prompt_text(ex['prompt']) for ex in self.examples]
+      ids = [self.encoder.prompt_ids(ex['prompt']) for ex in self.examples]
+      self._prompts = (ids, texts)
+    return self._prompts
 
   def _requests(self, greedy):
     ec, rl = self.config.eval, self.config.rl
     return [
       sampler.Request(
-        prompt=self.encoder.prompt_ids(ex['prompt']),
+        prompt=ids,
         max_new_tokens=rl.max_new_tokens,
         temperature=1.0 if greedy else float(ec.temperature),
         greedy=greedy,
         stop_tokens=self.stop_tokens,
         seed=seed(self.config.seed, 'eval', self._calls, i),
       )
-      for i, ex in enumerate(self.examples)
+      for i, ids in enumerate(self._encoded()[0])
     ]
 
   def _score(self, texts, repeat):
@@ -103,7 +111,7 @@ class HeldOut:
         workers=1,
         timeout_s=self.config.reward.timeout_s,
       )
-    prompts = [self.encoder.prompt_text(ex['prompt']) for ex in self.examples]
+    prompts = self._encoded()[1]
     scored = self._scorer(
       [p for p in prompts for _ in range(repeat)],
       texts,
