@@ -157,7 +157,7 @@ def base():
   c.rl.overlong_penalty = 1.0  # DAPO: penalty at max_new_tokens
   c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups and draw more prompts
   c.rl.dynamic_sampling_max_draws = 3  # extra prompt draws per step
-  c.rl.chunk_size = 1024  # rows per chunk of the float32 logprob computation
+  c.rl.chunk_size = 1024  # tokens (rows of B·T) per chunk of the float32 logprobs over V
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-4  # peak learning rate

@@ -69,7 +69,6 @@ def get_config():
   c.rl.max_new_tokens = 96
   c.rl.temperature = 0.7
   c.rl.minibatch_size = 32
-  c.rl.chunk_size = 8
   c.rl.kl_coef = 0.0
   c.optim.lr = 1e-5
   c.optim.warmup_steps = 2

@@ -198,8 +198,9 @@ class Sampler:
       C) and only the chunks up to the longest prompt of a call run (a
       traced count), so one prefill program serves every length.
     max_prefill_batch: most prompts per replica in one prefill call
-      (default: as many as fit in its slots). Two batch sizes compile: 1 (a
-      refill) and this one (capped by the groups a replica can hold).
+      (default: as many as fit in its slots). A call's rows are padded to a
+      power of two up to this (capped by the groups a replica can hold), so
+      a refill of a few prompts costs a few prefills.
     compaction: when the queue is empty, copy the live slots into a state
       with fewer slots (a power of two per replica, at most a quarter of the
       current count) so that finished slots stop costing decode work.
@@ -495,8 +496,9 @@ class Sampler:
     replica r. Rows are padded to a power-of-two batch and one bucket length.
     """
     r_count = self.replicas
-    # Two batch sizes compile: one group (a refill) or the most a replica holds.
-    b = 1 if max(len(rows) for rows in admitted) == 1 else max_batch
+    # Power-of-two batch sizes: a refill of a few groups costs a few prefills
+    # (not `max_batch`), and at most log2(max_batch) + 1 programs compile.
+    b = min(max_batch, _pow2_at_least(max(len(rows) for rows in admitted)))
     pb = self.bucket(max(n for rows in admitted for _, n, _, _ in rows))
     g = len(next(rows for rows in admitted if rows)[0][2])
     tokens = np.zeros((r_count, b, pb), np.int32)

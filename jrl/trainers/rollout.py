@@ -49,12 +49,25 @@ class Rollout(NamedTuple):
 # The sampler and the reward service ---------------------------------------------
 
 
-def build_sampler(config, model, mesh, stop_tokens, **engine_overrides):
+def eval_group_sizes(config):
+  """The group sizes of the held-out evaluation: 1 (greedy) and `eval.samples`."""
+  return (1, int(config.eval.samples)) if config.eval.samples else (1,)
+
+
+def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
   """A paged sampler for `model` on `mesh`, sized by `sampler.*` and `rl.*`
-  (`engine_overrides`: EngineConfig fields, e.g. room for forced tokens)."""
+  (`engine_overrides`: EngineConfig fields, e.g. room for forced tokens).
+
+  With `sampler.num_pages` = 0 the page pool holds every slot's worst case
+  for each of `group_sizes` (default: `rl.group_size`): groups share their
+  prompt pages, so the greedy held-out evaluation (groups of 1) needs more
+  pages per slot than GRPO's groups, and a pool sized for the latter would
+  leave slots idle during it."""
   rl, sc = config.rl, config.sampler
-  num_pages = sc.num_pages or sampler.pool_pages(
-    rl.max_prompt_len, rl.max_new_tokens, rl.group_size, sc.page_size, sc.num_slots
+  sizes = group_sizes or (rl.group_size,)
+  num_pages = sc.num_pages or max(
+    sampler.pool_pages(rl.max_prompt_len, rl.max_new_tokens, g, sc.page_size, sc.num_slots)
+    for g in sizes
   )
   engine_config = sampler.EngineConfig(
     num_slots=sc.num_slots,
@@ -153,7 +166,9 @@ def held_out_evaluator(res):
     if not res.task.held_out:
       return {}
     if not held_out:
-      sampler_ = build_sampler(res.config, res.model, res.mesh, res.stop_tokens)
+      sampler_ = build_sampler(
+        res.config, res.model, res.mesh, res.stop_tokens, eval_group_sizes(res.config)
+      )
       sampler_.tracer = res.tracer
       held_out.append(
         HeldOut(
@@ -200,7 +215,10 @@ class RolloutWorker:
     self.tracer = res.tracer
     self.prompt_rows = prompt_rows
     self.lock = threading.Lock()
-    self.sampler = build_sampler(config, res.model, mesh, res.stop_tokens)
+    sizes = (config.rl.group_size,)
+    if res.task.held_out:
+      sizes += eval_group_sizes(config)
+    self.sampler = build_sampler(config, res.model, mesh, res.stop_tokens, sizes)
     self.sampler.tracer = res.tracer
     self.held_out = HeldOut(
       config,
