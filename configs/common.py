@@ -126,6 +126,11 @@ def base():
   c.rl.top_p = 1.0  # 1: off
   c.rl.epochs = 1  # passes over each rollout batch
   c.rl.minibatch_size = 128  # rows per optimiser step; divides B x G
+  # Sequence packing of the update (jrl.data.packing): each minibatch's sequences
+  # end to end in rows of pack_row_len tokens (0: max_prompt_len + max_new_tokens);
+  # same losses and gradients as the padded rows, fewer tokens through the model.
+  c.rl.packing = False
+  c.rl.pack_row_len = 0
   c.rl.advantage = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
   c.rl.adv_scale = 'group'  # grpo: 'group' | 'batch' | 'none'
   c.rl.adv_std = 'unbiased'  # grpo: 'unbiased' | 'biased'

@@ -7,6 +7,7 @@
     python launch/bench.py grpo [--setup default|larger --steps 4]
     python launch/bench.py grpo --setup real --steps 3 --remat none,full --lora_rank 0,16 \\
         [--model_path models/smollm2 --kl_coef 0.001 --set rl.prompts_per_step=4]
+    python launch/bench.py update [--size cpu-20m --batch 32 --max_len 1024 --mean_frac 0.25]
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40]
@@ -26,6 +27,10 @@ problems and `rl.kl_coef` 0.001 (so the reference forward is measured),
 once per `--remat` policy and `--lora_rank`, with XLA's memory of the
 update step and the process's peak resident memory so far.
 
+`update`: one GRPO update step (forward, backward, Adam) on a batch of
+long-tailed lengths (log-normal, mean `--mean_frac` of `--max_len`), on
+padded rows and on packed rows (`rl.packing`); MFU counts real tokens only.
+
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
 [B·T, V] float32 logits, and (b) with `jrl.losses.token_logprobs_from_hidden`
@@ -35,12 +40,14 @@ wall time over `--repeats` runs, and the ratios chunked / naive.
 
 import argparse
 import contextlib
+import functools
 import resource
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jrl.losses as L
 from jrl import costmodel
@@ -290,10 +297,6 @@ def bench_sampler(args):
   call (compile included), the seconds spent compiling in it, and the
   steady state (median of --repeats later calls).
   """
-  import functools
-
-  import numpy as np
-
   from jrl import models, sampler
   from jrl.sampler import baseline
 
@@ -941,6 +944,90 @@ def bench_rewards(args):
   print(f'  code reward, 4 tests per program:          {1 / program_s:7.1f} rewards/s')
 
 
+def long_tailed_lengths(n, max_len, mean_frac, seed):
+  """`n` sequence lengths in [16, max_len] with a long tail (log-normal), the
+  mean `mean_frac` of max_len (rescaled, then clipped; deterministic)."""
+  rng = np.random.default_rng(seed)
+  raw = rng.lognormal(0.0, 1.0, n)
+  lengths = np.clip(np.round(raw / raw.mean() * mean_frac * max_len), 16, max_len)
+  lengths[np.argmax(lengths)] = max_len  # one at the limit, as a clipped response
+  return lengths.astype(np.int32)
+
+
+def bench_update(args):
+  """One GRPO update step (policy_step.train_step: forward, backward, Adam) on
+  a long-tailed batch, padded rows vs packed rows (`rl.packing`)."""
+  import optax
+
+  from jrl import models
+  from jrl.data import packing
+  from jrl.trainers import common, policy_step
+
+  config = models.ModelConfig(
+    **MODEL_SIZES[args.size], compute_dtype=args.compute_dtype, remat=args.remat
+  )
+  b, t = args.batch, args.max_len
+  lengths = long_tailed_lengths(b, t, args.mean_frac, seed=0)
+  rng = np.random.default_rng(1)
+  tokens = np.zeros((b, t), np.int32)
+  mask = np.zeros((b, t), bool)
+  loss_mask = np.zeros((b, t), bool)
+  for i, n in enumerate(lengths):
+    tokens[i, :n] = rng.integers(1, config.vocab_size, n)
+    mask[i, :n] = True
+    loss_mask[i, max(1, n // 4) : n] = True  # a quarter prompt, the rest response
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  batch = policy_step.PolicyBatch(
+    tokens=jnp.asarray(tokens),
+    mask=jnp.asarray(mask),
+    loss_mask=jnp.asarray(loss_mask),
+    old_logp=f32(np.where(loss_mask, -5.0, 0.0)),
+    ref_logp=f32(np.zeros((b, t))),
+    advantages=f32(np.where(loss_mask, np.where(np.arange(b) % 2, 1.0, -1.0)[:, None], 0.0)),
+  )
+  host = packing.pack_padded(tokens, mask, args.row_len or t)
+  packed = batch._replace(packed=packing.PackedInputs(*map(jnp.asarray, host)))
+  real = int(mask.sum())
+  eff_padded, eff_packed = packing.efficiency(mask, host)
+  print(
+    f'update ({args.size}, {config.num_params() / 1e6:.1f}M params, remat {args.remat}): '
+    f'{b} sequences of at most {t} tokens, mean {lengths.mean():.0f} (median '
+    f'{np.median(lengths):.0f}), {real} real tokens; padded {b} rows x {t} '
+    f'({100 * eff_padded:.0f}% real), packed {host.tokens.shape[0]} rows x '
+    f'{host.tokens.shape[1]} ({100 * eff_packed:.0f}% real); backend {jax.default_backend()}'
+  )
+  graphdef, params = models.create(config, jax.random.PRNGKey(0))
+  tx = optax.adamw(1e-5)
+  schedule = optax.constant_schedule(1e-5)
+  step = jax.jit(
+    functools.partial(
+      policy_step.train_step,
+      graphdef=graphdef,
+      tx=tx,
+      schedule=schedule,
+      cfg=policy_step.PolicyLossConfig(chunk_size=1024),
+    )
+  )
+  state = common.init_state(params, tx)
+  # Model FLOPs of the real tokens only: forward + both backward matmuls.
+  flops = 3 * sum(model_flops_per_token(config, int(n)) * int(n) for n in lengths)
+  seconds = {}
+  for name, data in (('padded', batch), ('packed', packed)):
+    peak = measure_matmul_peak(dtype='float32')
+    start = time.perf_counter()
+    compiled = step.lower(state, data).compile()
+    compile_s = time.perf_counter() - start
+    sec = _median_seconds(compiled, (state, data), args.repeats)
+    seconds[name] = sec
+    print(
+      f'  {name:7s} {1e3 * sec:9.1f} ms/step  {real / sec:8.0f} real tokens/s  MFU (real '
+      f'tokens) {100 * flops / sec / peak:5.1f}% of {peak / 1e9:.0f} GFLOP/s  (compile '
+      f'{compile_s:.1f} s)',
+      flush=True,
+    )
+  print(f'  packed / padded time: x{seconds["packed"] / seconds["padded"]:.2f}')
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='bench', required=True)
@@ -989,6 +1076,15 @@ def main(argv=None):
   p.add_argument(
     '--set', action='append', default=[], metavar='KEY=VALUE', help='config field (repeatable)'
   )
+  p = sub.add_parser('update', help='a GRPO update step, padded vs packed rows')
+  p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
+  p.add_argument('--compute_dtype', default='float32')
+  p.add_argument('--batch', type=int, default=32, help='sequences in the minibatch')
+  p.add_argument('--max_len', type=int, default=1024, help='longest sequence (padded row length)')
+  p.add_argument('--mean_frac', type=float, default=0.25, help='mean length / max_len')
+  p.add_argument('--row_len', type=int, default=0, help='packed row length (0: max_len)')
+  p.add_argument('--remat', default='full')
+  p.add_argument('--repeats', type=int, default=3)
   p = sub.add_parser('topology', help='colocated vs one-step-off step time')
   p.add_argument('--setup', choices=sorted(GRPO_SETUPS), default='default')
   p.add_argument('--steps', type=int, default=10)
@@ -1004,6 +1100,7 @@ def main(argv=None):
     'model': bench_model,
     'sampler': bench_sampler,
     'grpo': bench_grpo,
+    'update': bench_update,
     'topology': bench_topology,
     'costmodel': bench_costmodel,
     'rewards': bench_rewards,

@@ -14,12 +14,13 @@ there is unchanged.
     logp_RxL = model(packed.tokens, packed.segment_ids, packed.positions)
     logp_BxT = unpack(logp_RxL, packed.layout, T)
 
-Everything here is host-side NumPy and deterministic: the same lengths give
+Everything here but `unpack_on_device` is host-side NumPy and deterministic: the same lengths give
 the same rows on every process and every run.
 """
 
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -171,3 +172,91 @@ def gather_index(layout, length, row_len):
   valid = cols < np.asarray(layout.length)[:, None]
   index = np.asarray(layout.row)[:, None] * row_len + np.asarray(layout.start)[:, None] + cols
   return np.where(valid, index, 0).astype(np.int32), valid
+
+
+# A padded minibatch, packed for the model ---------------------------------------
+
+
+class PackedInputs(NamedTuple):
+  """A right-padded [B, T] batch packed into R rows of L tokens for the model,
+  with the map back: `unpack_on_device(v_RxL, index, valid)` is the [B, T]
+  layout (0 off each sequence), so a loss computed there is unchanged."""
+
+  tokens: np.ndarray  # [R, L] int32
+  segment_ids: np.ndarray  # [R, L] int32, 1, 2, ... per sequence in a row; 0 padding
+  positions: np.ndarray  # [R, L] int32, 0 at each sequence's first token
+  index: np.ndarray  # [B, T] int32 into the flattened R·L
+  valid: np.ndarray  # [B, T] bool, the columns of each sequence
+
+
+def sequence_lengths(mask_BxT):
+  """Real tokens per row of a right-padded mask (True on [0, n_b)).
+
+  Raises:
+    ValueError naming the first row whose real tokens are not a prefix (a
+    left-padded or holed row cannot be packed by length).
+  """
+  mask = np.asarray(mask_BxT, bool)
+  n_B = mask.sum(axis=1)
+  prefix = np.arange(mask.shape[1])[None, :] < n_B[:, None]
+  bad = np.nonzero((mask != prefix).any(axis=1))[0]
+  if len(bad):
+    raise ValueError(
+      f'row {int(bad[0])} is not right-padded (real tokens must be columns [0, n)); '
+      'packing needs the layout of trainers.common.pack_sequences.'
+    )
+  return n_B.astype(np.int32)
+
+
+def row_count(needed, multiple=1, most=None):
+  """Static row count for `needed` rows: a power of two times `multiple` (so
+  a run compiles a few shapes and the rows split over the batch shards), at
+  most `most` rounded up to `multiple`."""
+  r = multiple
+  while r < needed:
+    r *= 2
+  if most is not None:
+    r = min(r, -(-max(most, needed) // multiple) * multiple)
+  return max(r, multiple)
+
+
+def pack_padded(tokens_BxT, mask_BxT, row_len, multiple=1):
+  """Packs the sequences of a right-padded batch (sequence b is
+  tokens[b, :n_b], n_b = mask[b].sum()) into rows of `row_len` tokens by
+  first-fit-decreasing; rows are then padded to `row_count(...)` (empty
+  rows are all padding).
+
+  Args:
+    tokens_BxT, mask_BxT: the padded batch (host arrays).
+    row_len: L ≥ the longest sequence.
+    multiple: the row count is a multiple of this (the batch shards).
+
+  Returns:
+    PackedInputs (NumPy).
+  """
+  tokens = np.asarray(tokens_BxT)
+  b, t = tokens.shape
+  n_B = sequence_lengths(mask_BxT)
+  bins = first_fit_decreasing(n_B, row_len)
+  r = row_count(len(bins), multiple, most=b)
+  bins = bins + [[] for _ in range(r - len(bins))]
+  seqs = [tokens[i, : n_B[i]].tolist() for i in range(b)]
+  packed = pack(seqs, [[] for _ in range(b)], bins, row_len)
+  index, valid = gather_index(packed.layout, t, row_len)
+  return PackedInputs(packed.tokens, packed.segment_ids, packed.positions, index, valid)
+
+
+def unpack_on_device(values_RxL, index_BxT, valid_BxT, fill=0):
+  """[R, L, ...] per-token values of packed rows -> the padded [B, T, ...]
+  layout (`fill` off each sequence); differentiable (a gather)."""
+  rows, row_len = values_RxL.shape[:2]
+  flat = values_RxL.reshape(rows * row_len, *values_RxL.shape[2:])
+  out = flat[index_BxT]
+  valid = valid_BxT.reshape(*valid_BxT.shape, *([1] * (out.ndim - 2)))
+  return jnp.where(valid, out, jnp.asarray(fill, out.dtype))
+
+
+def efficiency(mask_BxT, packed):
+  """Real tokens / tokens the model runs on, padded and packed: (padded, packed)."""
+  real = float(np.asarray(mask_BxT).sum())
+  return real / np.asarray(mask_BxT).size, real / np.asarray(packed.tokens).size

@@ -12,7 +12,9 @@ from jrl.models.transformer import (
   next_token_logprobs,
   param_logical_axes,
   positions_from_mask,
+  positions_from_segments,
   router_load_balancing_loss,
+  segment_starts,
   sequence_scores,
   values,
 )

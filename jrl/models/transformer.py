@@ -234,19 +234,28 @@ def within_window(q_pos, k_pos, window):
   return q_pos - k_pos < window
 
 
-def causal_attention(mask_BxT, positions_BxT=None, config=None):
+def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=None):
   """Dense causal attention for full sequences: key s is visible to query t iff
   s ≤ t and (mask[s] or s = t); left or right padding both work.
 
+  With `segment_ids` (packed rows: 1, 2, ... per sequence, 0 on padding) key s
+  is visible to query t iff s ≤ t and segment[s] = segment[t] > 0 (or s = t),
+  so no token attends across a sequence boundary.
+
   With `config`, each layer also applies its sliding window (on `positions`,
-  which default to `positions_from_mask(mask)`), score scale and soft-cap.
+  which default to `positions_from_mask(mask)`; per-segment positions for
+  packed rows), score scale and soft-cap.
   """
   mask_BxT = mask_BxT.astype(bool)
   t = mask_BxT.shape[1]
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  visible_BxTxS = mask_BxT[:, None, :]
+  if segment_ids_BxT is not None:
+    seg = jnp.asarray(segment_ids_BxT)
+    visible_BxTxS = visible_BxTxS & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
   # Every query also sees itself, so a padding query (which has no real key
   # before it) stays causal instead of averaging over every key.
-  allowed_BxTxT = causal_TxT[None] & (mask_BxT[:, None, :] | jnp.eye(t, dtype=bool)[None])
+  allowed_BxTxT = causal_TxT[None] & (visible_BxTxS | jnp.eye(t, dtype=bool)[None])
   if config is None:
 
     def attend(layer, q, k, v, cache):
@@ -695,14 +704,45 @@ def _check_batch(tokens, mask, positions):
     raise ValueError(f'`positions` must have shape {tokens.shape}, got {positions.shape}.')
 
 
-def hidden_states(graphdef, params, tokens, mask=None, positions=None, *, with_router_loss=False):
+def positions_from_segments(segment_ids_BxT):
+  """Positions that restart at 0 where each segment of a packed row begins
+  (0 on padding). Segments are contiguous runs of one id."""
+  seg = jnp.asarray(segment_ids_BxT)
+  t = seg.shape[1]
+  col_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
+  starts_BxT = segment_starts(seg)
+  first_BxT = jax.lax.cummax(jnp.where(starts_BxT, col_BxT, 0), axis=1)
+  return jnp.where(seg > 0, col_BxT - first_BxT, 0).astype(jnp.int32)
+
+
+def segment_starts(segment_ids_BxT):
+  """[B, T] bool: the first token of each segment (not on padding)."""
+  seg = jnp.asarray(segment_ids_BxT)
+  before = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  return (seg != before) & (seg > 0)
+
+
+def hidden_states(
+  graphdef,
+  params,
+  tokens,
+  mask=None,
+  positions=None,
+  *,
+  segment_ids=None,
+  with_router_loss=False,
+):
   """Final normed hidden states for full sequences (training forward).
 
   Args:
     graphdef, params: from `create` / `abstract` / `jrl.models.hf.load`.
     tokens: [B, T] int.
-    mask: [B, T] 1 on real tokens (None: all real). Left or right padding.
-    positions: [B, T] int (None: `positions_from_mask(mask)`).
+    mask: [B, T] 1 on real tokens (None: all real, or `segment_ids` > 0).
+      Left or right padding.
+    positions: [B, T] int (None: `positions_from_mask(mask)`, or
+      `positions_from_segments(segment_ids)`).
+    segment_ids: [B, T] int, packed rows (`jrl.data.packing`): 1, 2, ... per
+      sequence, 0 on padding; attention never crosses a segment.
     with_router_loss: also return `router_load_balancing_loss` over the
       MoE layers (0 for a dense model).
 
@@ -711,13 +751,17 @@ def hidden_states(graphdef, params, tokens, mask=None, positions=None, *, with_r
     (hidden, router_loss [] float32).
   """
   _check_batch(tokens, mask, positions)
+  if segment_ids is not None and segment_ids.shape != tokens.shape:
+    raise ValueError(f'`segment_ids` must have shape {tokens.shape}, got {segment_ids.shape}.')
   if mask is None:
-    mask = jnp.ones(tokens.shape, bool)
+    mask = jnp.ones(tokens.shape, bool) if segment_ids is None else segment_ids > 0
   if positions is None:
-    positions = positions_from_mask(mask)
+    positions = (
+      positions_from_mask(mask) if segment_ids is None else (positions_from_segments(segment_ids))
+    )
   model = nnx.merge(graphdef, params)
   cfg = model.config
-  attention = causal_attention(mask, positions, cfg)
+  attention = causal_attention(mask, positions, cfg, segment_ids)
   hidden, _, router_logits = model(tokens, positions, attention, return_router_logits=True)
   if not with_router_loss:
     return hidden
@@ -744,6 +788,7 @@ def next_token_logprobs(
   chunk_size=1024,
   with_entropy=False,
   with_router_loss=False,
+  segment_ids=None,
 ):
   """log p(token_t | tokens_<t), aligned with the tokens.
 
@@ -752,13 +797,17 @@ def next_token_logprobs(
   the entropy of that predictive distribution. Computed in chunks from the
   hidden states with `jrl.losses.token_logprobs_from_hidden` (final logit
   soft-capping included), so the [B, T, V] float32 logits never exist.
+  With `segment_ids` (packed rows, see `hidden_states`) each segment is its
+  own sequence: 0 at its first token, nothing seen across its boundary.
 
   Returns:
     (logp [B, T] float32, entropy [B, T] float32 (zeros unless with_entropy)),
     and the router load-balancing loss [] float32 as a third element with
     `with_router_loss`.
   """
-  hidden, aux = hidden_states(graphdef, params, tokens, mask, positions, with_router_loss=True)
+  hidden, aux = hidden_states(
+    graphdef, params, tokens, mask, positions, segment_ids=segment_ids, with_router_loss=True
+  )
   model = nnx.merge(graphdef, params)
   logp, ent = losses.token_logprobs_from_hidden(
     hidden[:, :-1],
@@ -771,12 +820,16 @@ def next_token_logprobs(
   )
   pad = ((0, 0), (1, 0))
   out = (jnp.pad(logp, pad), jnp.pad(ent, pad))
+  if segment_ids is not None:
+    # A segment's first token is predicted from the previous segment: no prediction.
+    first = segment_starts(segment_ids)
+    out = tuple(jnp.where(first, 0.0, x) for x in out)
   return (*out, aux) if with_router_loss else out
 
 
-def values(graphdef, params, tokens, mask=None, positions=None):
+def values(graphdef, params, tokens, mask=None, positions=None, *, segment_ids=None):
   """[B, T] float32 scalar-head outputs (critic values per token)."""
-  hidden = hidden_states(graphdef, params, tokens, mask, positions)
+  hidden = hidden_states(graphdef, params, tokens, mask, positions, segment_ids=segment_ids)
   return nnx.merge(graphdef, params).scalar(hidden)
 
 

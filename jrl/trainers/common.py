@@ -10,7 +10,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jrl import distributed
+from jrl import distributed, models
+from jrl.data import packing
 from jrl.models import lora
 
 
@@ -80,6 +81,113 @@ def place(batch, sharding):
 def place_rows(batch, sharding, num_rows):
   """This process's rows of a batch -> global arrays of `num_rows` rows."""
   return jax.tree.map(lambda x: distributed.put_rows(x, sharding, num_rows), batch)
+
+
+# Packed forward passes -------------------------------------------------------
+
+
+def token_logprobs(
+  graphdef,
+  params,
+  tokens,
+  mask,
+  packed=None,
+  *,
+  temperature=1.0,
+  chunk_size=1024,
+  with_entropy=False,
+):
+  """(logp, entropy), each [B, T] float32, of a right-padded batch.
+
+  With `packed` (`jrl.data.packing.PackedInputs` of this batch, on the
+  device) the model runs on the packed rows, where attention stays inside
+  each sequence and positions restart, and the results are gathered back
+  to the [B, T] layout: the same values as the padded forward (to float
+  summation order), so every loss and aggregation after it is unchanged.
+  """
+  if packed is None:
+    return models.next_token_logprobs(
+      graphdef,
+      params,
+      tokens,
+      mask,
+      temperature=temperature,
+      chunk_size=chunk_size,
+      with_entropy=with_entropy,
+    )
+  logp_RxL, ent_RxL = models.next_token_logprobs(
+    graphdef,
+    params,
+    packed.tokens,
+    positions=packed.positions,
+    segment_ids=packed.segment_ids,
+    temperature=temperature,
+    chunk_size=chunk_size,
+    with_entropy=with_entropy,
+  )
+  unpack = lambda x: packing.unpack_on_device(x, packed.index, packed.valid)
+  return unpack(logp_RxL), unpack(ent_RxL)
+
+
+class Packer:
+  """Packs right-padded minibatches for the model (`rl.packing`): rows of
+  `row_len` tokens, a power-of-two row count that is a multiple of the batch
+  shards, placed with `sharding`; `last` keeps the padded and packed token
+  efficiency of the last batch packed."""
+
+  def __init__(self, row_len, sharding):
+    self.row_len = int(row_len)
+    self.sharding = sharding
+    self.multiple = batch_shards(sharding)
+    self.last = (1.0, 1.0)
+
+  def __call__(self, tokens_BxT, mask_BxT):
+    """PackedInputs on the device from host [B, T] arrays."""
+    host = packing.pack_padded(tokens_BxT, mask_BxT, self.row_len, self.multiple)
+    self.last = packing.efficiency(mask_BxT, host)
+    return packing.PackedInputs(*(place_global(x, self.sharding) for x in host))
+
+
+def batch_shards(sharding):
+  """How many ways `sharding` splits an array's leading axis (1 if it does not)."""
+  if not isinstance(sharding, NamedSharding) or not sharding.spec:
+    return 1
+  axes = sharding.spec[0]
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return int(np.prod([sharding.mesh.shape[a] for a in axes]))
+
+
+def place_global(x, sharding):
+  """A host array that every process holds whole, laid out with `sharding`
+  (one process or several)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def make_packer(rl, seq_len, sharding):
+  """A Packer when `rl.packing` is on (rows of `rl.pack_row_len` tokens, 0:
+  `seq_len`), else None."""
+  if not rl.packing:
+    return None
+  row_len = int(rl.pack_row_len) or int(seq_len)
+  if row_len < seq_len:
+    raise ValueError(
+      f'`rl.pack_row_len` ({row_len}) must be at least the longest sequence, '
+      f'max_prompt_len + max_new_tokens = {seq_len}.'
+    )
+  return Packer(row_len, sharding)
+
+
+def with_packer(fn, packer):
+  """`fn(params, tokens, mask, packed)` as (params, tokens, mask) -> result,
+  on packed rows when `packer` is set (`make_packer`), else padded."""
+  if packer is None:
+    return lambda params, tokens, mask: fn(params, tokens, mask)
+  return lambda params, tokens, mask: fn(
+    params, tokens, mask, packer(distributed.fetch(tokens), distributed.fetch(mask))
+  )
 
 
 def minibatched(fn, params, batch, rows, sharding):

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from jrl import losses as L
-from jrl import models
 from jrl.trainers import common, controller, online, policy_step, rollout, setup, sft
 
 
@@ -38,18 +37,20 @@ class Steps(NamedTuple):
   advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None) -> [B, T]
 
 
-def logprobs_fn(config, graphdef):
-  """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature."""
+def logprobs_fn(config, graphdef, packer=None):
+  """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature
+  (the reference and proximal passes); with a `packer` (common.make_packer)
+  the model runs on packed rows."""
   rl = config.rl
   logprobs = jax.jit(
     functools.partial(
-      models.next_token_logprobs, graphdef, temperature=rl.temperature, chunk_size=rl.chunk_size
+      common.token_logprobs, graphdef, temperature=rl.temperature, chunk_size=rl.chunk_size
     )
   )
-  return lambda params, tokens, mask: logprobs(params, tokens, mask)[0]
+  return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
-def make_steps(config, res, tx, schedule, shardings):
+def make_steps(config, res, tx, schedule, shardings, packer=None):
   rl = config.rl
   rl_step = jax.jit(
     functools.partial(
@@ -68,7 +69,7 @@ def make_steps(config, res, tx, schedule, shardings):
       policy_step.advantages, group_size=rl.group_size, cfg=policy_step.advantage_config(rl)
     )
   )
-  return Steps(rl_step, logprobs_fn(config, res.model.graphdef), advantages)
+  return Steps(rl_step, logprobs_fn(config, res.model.graphdef, packer), advantages)
 
 
 def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):
@@ -89,7 +90,8 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
 
   state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
   warmup = sft.warmup(res, state, sft_batch)
-  steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
+  packer = common.make_packer(rl, res.seq_len, res.batch_sharding)
+  steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh), packer)
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
   shaper = online.RewardShaper(config.reward)
   adv_cfg = policy_step.advantage_config(rl)
@@ -120,7 +122,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
     )
     with res.tracer.span('update', iteration=it):
       state, um, t_update = online.run_minibatches(
-        steps.rl, state, full, config, it, res.batch_sharding
+        steps.rl, state, full, config, it, res.batch_sharding, packer
       )
     m.update(um)
     m.update(online.advantage_metrics(adv, mask))

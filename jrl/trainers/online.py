@@ -97,9 +97,13 @@ def place_rollout(ro, res, shaper, logprobs, ref_params, rows):
   )
 
 
-def run_minibatches(step, state, full, config, iteration, sharding):
+def run_minibatches(step, state, full, config, iteration, sharding, packer=None):
   """`rl.epochs` passes of `step` over minibatches of `full` (a pytree of
   [B·G, ...] arrays), in permutations fixed by (seed, iteration).
+
+  With a `packer` (common.make_packer) each minibatch's sequences are packed
+  into rows (`full.packed` set per minibatch): the same minibatches in the
+  same order, so the optimiser sees the same updates.
 
   Returns:
     (state, metrics averaged over minibatches, seconds).
@@ -109,16 +113,26 @@ def run_minibatches(step, state, full, config, iteration, sharding):
   rows = rl.prompts_per_step * rl.group_size
   mb = rl.minibatch_size
   results = []
+  efficiency = []
+  if packer is not None:
+    host_tokens, host_mask = distributed.fetch(full.tokens), distributed.fetch(full.mask)
   for epoch in range(rl.epochs):
     rng = np.random.default_rng(setup.seed(config.seed, iteration, 'perm', epoch))
     perm = rng.permutation(rows)
     for k in range(rows // mb):
-      idx = jnp.asarray(np.sort(perm[k * mb : (k + 1) * mb]))
+      order = np.sort(perm[k * mb : (k + 1) * mb])
+      idx = jnp.asarray(order)
       mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], sharding), full)
+      if packer is not None:
+        mini = mini._replace(packed=packer(host_tokens[order], host_mask[order]))
+        efficiency.append(packer.last)
       state, um = step(state, mini)
       results.append(um)
   results = jax.device_get(results)
   m = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
+  if efficiency:
+    m['throughput/real_token_frac_padded'] = float(np.mean([e[0] for e in efficiency]))
+    m['throughput/real_token_frac_packed'] = float(np.mean([e[1] for e in efficiency]))
   # The first minibatch is scored before any update: the sampler/trainer gap.
   if 'actor/logp_diff_abs' in results[0]:
     m['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])

@@ -15,13 +15,12 @@ sampler), `ref_logp` the reference model's (unused when `kl_coef` is 0), and
 config's plain values into those functions' keyword arguments.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jrl import losses as L
-from jrl import models
 from jrl.trainers import common
 
 
@@ -35,6 +34,9 @@ class PolicyBatch(NamedTuple):
   # [B, T] float32 importance weights for a stale behaviour policy (one-step-off);
   # None: on-policy.
   is_weights: jax.Array | None = None
+  # jrl.data.packing.PackedInputs of tokens/mask: the model runs on packed
+  # rows (`rl.packing`); None: on the padded rows.
+  packed: Any = None
 
 
 class PolicyLossConfig(NamedTuple):
@@ -89,11 +91,12 @@ def policy_loss(params, graphdef, batch, cfg):
   Returns:
     (loss [], metrics dict of [] float32).
   """
-  logp, entropy = models.next_token_logprobs(
+  logp, entropy = common.token_logprobs(
     graphdef,
     params,
     batch.tokens,
     batch.mask,
+    batch.packed,
     temperature=cfg.temperature,
     chunk_size=cfg.chunk_size,
     with_entropy=True,

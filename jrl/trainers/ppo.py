@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jrl import losses as L
 from jrl import models
+from jrl.data import packing
 from jrl.models import hf as hf_lib
 from jrl.trainers import common, controller, grpo, online, policy_step, rollout, setup, sft
 from jrl.trainers.optim import make_optimizer
@@ -39,17 +40,25 @@ class PPOBatch(NamedTuple):
   advantages: jax.Array  # [B, T] float32 (whitened GAE)
   returns: jax.Array  # [B, T] float32 value targets
   old_values: jax.Array  # [B, T] float32 critic values at rollout time
+  packed: Any = None  # jrl.data.packing.PackedInputs (`rl.packing`), else None
 
 
-def critic_values(graphdef, params, tokens, mask):
+def critic_values(graphdef, params, tokens, mask, packed=None):
   """[B, T] float32: V_t is the critic's value of the prefix before token t
-  (its scalar head at position t − 1); 0 at t = 0."""
-  v = models.values(graphdef, params, tokens, mask)
-  return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
+  (its scalar head at position t − 1); 0 at t = 0. With `packed` the critic
+  runs on the packed rows (0 at each sequence's first token), unpacked."""
+  shift = lambda v: jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
+  if packed is None:
+    return shift(models.values(graphdef, params, tokens, mask))
+  v = models.values(
+    graphdef, params, packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids
+  )
+  v = jnp.where(models.segment_starts(packed.segment_ids), 0.0, shift(v))
+  return packing.unpack_on_device(v, packed.index, packed.valid)
 
 
 def value_loss_fn(params, graphdef, batch, value_clip):
-  v = critic_values(graphdef, params, batch.tokens, batch.mask)
+  v = critic_values(graphdef, params, batch.tokens, batch.mask, batch.packed)
   per_token, metrics = L.value_loss(
     v, batch.old_values, batch.returns, batch.loss_mask, clip_eps=value_clip or None
   )
@@ -76,7 +85,13 @@ def train_step(
     (state, metrics); a non-finite loss or gradient skips that model's update.
   """
   pbatch = policy_step.PolicyBatch(
-    batch.tokens, batch.mask, batch.loss_mask, batch.old_logp, batch.ref_logp, batch.advantages
+    batch.tokens,
+    batch.mask,
+    batch.loss_mask,
+    batch.old_logp,
+    batch.ref_logp,
+    batch.advantages,
+    packed=batch.packed,
   )
   (loss, metrics), grads = jax.value_and_grad(policy_step.policy_loss, has_aux=True)(
     state.params, graphdef, pbatch, cfg
@@ -133,7 +148,7 @@ class Steps(NamedTuple):
   gae: Any  # (token rewards, values, mask) -> (advantages, returns), each [B, T]
 
 
-def make_steps(config, res, critic_graphdef, optimizers, shardings):
+def make_steps(config, res, critic_graphdef, optimizers, shardings, packer=None):
   (tx, schedule), (critic_tx, critic_schedule) = optimizers
   ppo_step = jax.jit(
     functools.partial(
@@ -150,9 +165,9 @@ def make_steps(config, res, critic_graphdef, optimizers, shardings):
     donate_argnums=(0,),
     out_shardings=shardings,
   )
-  values = jax.jit(functools.partial(critic_values, critic_graphdef))
+  values = common.with_packer(jax.jit(functools.partial(critic_values, critic_graphdef)), packer)
   gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
-  return Steps(ppo_step, grpo.logprobs_fn(config, res.model.graphdef), values, gae)
+  return Steps(ppo_step, grpo.logprobs_fn(config, res.model.graphdef, packer), values, gae)
 
 
 def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):
@@ -190,7 +205,8 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
   warmup = sft.warmup(res, state, sft_batch)
   shardings = setup.step_shardings(state, res.mesh)
   optimizers = ((tx, schedule), (critic_tx, critic_schedule))
-  steps = make_steps(config, res, critic_graphdefs[0], optimizers, shardings)
+  packer = common.make_packer(rl, res.seq_len, res.batch_sharding)
+  steps = make_steps(config, res, critic_graphdefs[0], optimizers, shardings, packer)
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
   shaper = online.RewardShaper(config.reward)
 
@@ -218,7 +234,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
       ro.batch.tokens, ro.batch.mask, mask, ro.old_logp, ro.ref_logp, adv, returns, old_values
     )
     state, um, t_update = online.run_minibatches(
-      steps.ppo, state, full, config, it, res.batch_sharding
+      steps.ppo, state, full, config, it, res.batch_sharding, packer
     )
     m.update(um)
     m.update(online.advantage_metrics(adv, mask))
