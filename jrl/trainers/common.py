@@ -50,6 +50,7 @@ class SequenceBatch(NamedTuple):
   tokens: jax.Array  # [B, T] int32
   mask: jax.Array  # [B, T] bool: real tokens
   loss_mask: jax.Array  # [B, T] bool: response tokens (the ones trained on)
+  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`rl.packing`), else None
 
 
 def pack_sequences(prompts, responses, length, pad_id=0):
@@ -127,6 +128,16 @@ def token_logprobs(
   )
   unpack = lambda x: packing.unpack_on_device(x, packed.index, packed.valid)
   return unpack(logp_RxL), unpack(ent_RxL)
+
+
+def with_packed(batch, packer):
+  """`batch` (placed on the mesh, with a `packed` field) with its rows packed
+  by `packer`, or unchanged when `packer` is None."""
+  if packer is None:
+    return batch
+  return batch._replace(
+    packed=packer(distributed.fetch(batch.tokens), distributed.fetch(batch.mask))
+  )
 
 
 class Packer:

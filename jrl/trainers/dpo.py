@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from jrl import losses as L
-from jrl import models
 from jrl.data import PromptStream, read_preference_jsonl
 from jrl.trainers import common, controller, rollout, setup, sft, tasks
 
@@ -33,6 +32,7 @@ class DPOBatch(NamedTuple):
   mask: jax.Array  # [2P, T] bool
   loss_mask: jax.Array  # [2P, T] bool response tokens
   ref_logp: jax.Array  # [2P] float32 reference sequence logprobs (sum or mean)
+  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`rl.packing`), else None
 
 
 class DPOLossConfig(NamedTuple):
@@ -43,9 +43,12 @@ class DPOLossConfig(NamedTuple):
   chunk_size: int = 1024
 
 
-def sequence_logprobs(graphdef, params, tokens, mask, loss_mask, average, chunk_size=1024):
-  """[B] sum (or mean) of the response tokens' logprobs."""
-  logp, _ = models.next_token_logprobs(graphdef, params, tokens, mask, chunk_size=chunk_size)
+def sequence_logprobs(
+  graphdef, params, tokens, mask, loss_mask, average, chunk_size=1024, packed=None
+):
+  """[B] sum (or mean) of the response tokens' logprobs (the model on packed
+  rows when `packed` is given; the sums are taken in the padded layout)."""
+  logp, _ = common.token_logprobs(graphdef, params, tokens, mask, packed, chunk_size=chunk_size)
   m = loss_mask.astype(jnp.float32)
   total = jnp.sum(logp * m, axis=-1)
   return total / jnp.maximum(jnp.sum(m, axis=-1), 1.0) if average else total
@@ -54,7 +57,14 @@ def sequence_logprobs(graphdef, params, tokens, mask, loss_mask, average, chunk_
 def preference_loss(params, graphdef, batch, cfg):
   average = cfg.loss in _AVERAGED
   seq = sequence_logprobs(
-    graphdef, params, batch.tokens, batch.mask, batch.loss_mask, average, cfg.chunk_size
+    graphdef,
+    params,
+    batch.tokens,
+    batch.mask,
+    batch.loss_mask,
+    average,
+    cfg.chunk_size,
+    batch.packed,
   )
   p = seq.shape[0] // 2
   chosen, rejected = seq[:p], seq[p:]
@@ -128,7 +138,7 @@ def pair_source(config, res):
 
 class Steps(NamedTuple):
   dpo: Any  # train_step
-  reference: Any  # (params, tokens, mask, loss_mask) -> [2P] reference sequence logprobs
+  reference: Any  # (params, tokens, mask, loss_mask, packed) -> [2P] reference sequence logprobs
 
 
 def make_steps(config, res, tx, schedule, shardings):
@@ -173,6 +183,7 @@ def build(config):
   warmup = sft.warmup(res, state)
   steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
   evaluate, close = rollout.held_out_evaluator(res)
+  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
 
   def dpo_iteration(state, it):
     t_step = time.perf_counter()
@@ -184,15 +195,21 @@ def build(config):
     batch = common.pack_sequences(
       prompts + prompts, chosen + rejected, res.seq_len, res.tokenizer.pad_id
     )
-    placed = common.place(batch, res.batch_sharding)
+    placed = common.with_packed(common.place(batch, res.batch_sharding), packer)
     start = time.perf_counter()
     if uses_ref:
-      ref = steps.reference(state.extra['ref_params'], placed.tokens, placed.mask, placed.loss_mask)
+      ref = steps.reference(
+        state.extra['ref_params'],
+        placed.tokens,
+        placed.mask,
+        placed.loss_mask,
+        packed=placed.packed,
+      )
     else:
       ref = jnp.zeros(placed.tokens.shape[0], jnp.float32)
     jax.block_until_ready(ref)
     t_ref = time.perf_counter() - start
-    full = DPOBatch(placed.tokens, placed.mask, placed.loss_mask, ref)
+    full = DPOBatch(placed.tokens, placed.mask, placed.loss_mask, ref, placed.packed)
     start = time.perf_counter()
     state, m = steps.dpo(state, full)
     m = {k: float(v) for k, v in jax.device_get(m).items()}

@@ -31,7 +31,7 @@ import numpy as np
 
 from jrl import distributed, models
 from jrl import losses as L
-from jrl.data import PromptStream, read_preference_jsonl
+from jrl.data import PromptStream, packing, read_preference_jsonl
 from jrl.trainers import common, controller, setup, tasks
 
 
@@ -39,11 +39,26 @@ class PairBatch(NamedTuple):
   tokens: jax.Array  # [2P, T]: rows 0..P-1 chosen, P..2P-1 rejected
   mask: jax.Array  # [2P, T] bool
   margin: jax.Array  # [P] float32 required margin per pair
+  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`rl.packing`), else None
+
+
+def sequence_scores(graphdef, params, tokens, mask, packed=None):
+  """[B] float32 scores: the scalar head at each row's last real token (on
+  packed rows when `packed` is given, where each sequence's last token is
+  its segment's last)."""
+  if packed is None:
+    return models.sequence_scores(graphdef, params, tokens, mask)
+  v = models.values(
+    graphdef, params, packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids
+  )
+  v_BxT = packing.unpack_on_device(v, packed.index, packed.valid)
+  last_B = jnp.maximum(jnp.sum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+  return jnp.take_along_axis(v_BxT, last_B[:, None], axis=-1)[:, 0]
 
 
 def pair_loss(params, graphdef, batch, center_coef):
   """Mean Bradley-Terry loss of a batch of pairs, and its metrics."""
-  scores = models.sequence_scores(graphdef, params, batch.tokens, batch.mask)
+  scores = sequence_scores(graphdef, params, batch.tokens, batch.mask, batch.packed)
   p = scores.shape[0] // 2
   loss, metrics = L.bradley_terry_loss(
     scores[:p], scores[p:], margin=batch.margin, center_coef=center_coef
@@ -167,6 +182,7 @@ def build(config):
   )
   steps = Steps(rm_step, jax.jit(functools.partial(models.sequence_scores, rm_graphdef)))
   replicated = setup.step_shardings(state, res.mesh)[1]
+  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
 
   def iterate(state, it):
     t_step = time.perf_counter()
@@ -178,7 +194,8 @@ def build(config):
     rows = common.place(
       common.SequenceBatch(batch.tokens, batch.mask, batch.mask), res.batch_sharding
     )
-    placed = PairBatch(rows.tokens, rows.mask, jax.device_put(margin, replicated))
+    rows = common.with_packed(rows, packer)
+    placed = PairBatch(rows.tokens, rows.mask, jax.device_put(margin, replicated), rows.packed)
     start = time.perf_counter()
     with res.tracer.span('update', iteration=it):
       state, m = steps.rm(state, placed)

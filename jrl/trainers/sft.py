@@ -13,15 +13,15 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jrl import distributed, models
+from jrl import distributed
 from jrl import losses as L
 from jrl.trainers import common, controller, rollout, setup
 
 
 def sft_loss(params, graphdef, batch, chunk_size=1024):
   """Mean negative log-likelihood of the response tokens of a SequenceBatch."""
-  logp, _ = models.next_token_logprobs(
-    graphdef, params, batch.tokens, batch.mask, chunk_size=chunk_size
+  logp, _ = common.token_logprobs(
+    graphdef, params, batch.tokens, batch.mask, batch.packed, chunk_size=chunk_size
   )
   loss = -L.token_mean(logp, batch.loss_mask)
   return loss, {'sft/nll': jax.lax.stop_gradient(loss)}
@@ -81,12 +81,14 @@ def warmup(res, state, make_batch=response_batch):
   size = config.sft.batch_size
   rows = distributed.local_rows(res.batch_sharding, size)
   stream = res.streams['sft_stream']
+  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
 
   def iterate(state, iteration):
     batch = make_batch(res, stream.next(size, rows), iteration)
     start = time.perf_counter()
     with res.tracer.span('sft_update', iteration=iteration):
-      state, m = step(state, common.place_rows(batch, res.batch_sharding, size))
+      placed = common.place_rows(batch, res.batch_sharding, size)
+      state, m = step(state, common.with_packed(placed, packer))
       m = {k: float(v) for k, v in jax.device_get(m).items()}
     m['time/update'] = time.perf_counter() - start
     m['phase'] = 0.0

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import grpo_arith, ppo_arith
+from configs import dpo_arith, grpo_arith, ppo_arith, sft_arith
 from jrl import models, trainers
 from jrl.data import packing
-from jrl.trainers import common, policy_step, ppo
+from jrl.trainers import common, dpo, policy_step, ppo, reward_model, sft
 from tests.helpers import QUIET, SHRINK, records, set_fields, shrunk_config
 
 TINY = models.ModelConfig(
@@ -202,6 +202,68 @@ def test_critic_values_and_value_loss_are_the_same_packed_and_padded(batch_name)
     np.testing.assert_allclose(np.asarray(gp), np.asarray(g), rtol=1e-4, atol=1e-5)
 
 
+def assert_same_loss_and_grads(loss_fn, params, padded, packed):
+  grad = jax.value_and_grad(loss_fn, has_aux=True)
+  (loss, _), grads = grad(params, padded)
+  (loss_p, _), grads_p = grad(params, packed)
+  np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-5, atol=1e-6)
+  flat, flat_p = jax.tree.leaves(grads), jax.tree.leaves(grads_p)
+  assert any(np.abs(np.asarray(g)).max() > 0 for g in flat)
+  for g, gp in zip(flat, flat_p, strict=True):
+    np.testing.assert_allclose(np.asarray(gp), np.asarray(g), rtol=1e-4, atol=1e-5)
+
+
+def test_sft_loss_and_gradients_are_the_same_packed_and_padded(model):
+  graphdef, params = model
+  lengths, prompts = BATCHES['one_long_many_short']
+  tokens, mask, loss_mask = make_batch(lengths, prompts, 24, seed=8)
+  batch = common.SequenceBatch(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(loss_mask))
+  packed = batch._replace(packed=device_packed(tokens, mask, 24))
+  loss_fn = lambda p, b: sft.sft_loss(p, graphdef, b)
+  assert_same_loss_and_grads(loss_fn, params, batch, packed)
+
+
+@pytest.mark.parametrize('loss', dpo.DPO_LOSSES)
+def test_dpo_family_pair_sums_are_the_same_packed_and_padded(model, loss):
+  """Chosen rows then rejected rows (sequence sums or means of the response
+  logprobs), packed into fewer rows than pairs."""
+  graphdef, params = model
+  lengths, prompts = [14, 5, 9, 3, 20, 6, 11, 4], [2, 2, 3, 2, 2, 2, 3, 2]
+  tokens, mask, loss_mask = make_batch(lengths, prompts, 24, seed=9)
+  average = loss in ('ipo', 'simpo', 'orpo')
+  ref = dpo.sequence_logprobs(graphdef, params, tokens, mask, loss_mask, average)
+  ref = ref + jnp.asarray(np.random.default_rng(10).normal(0.0, 0.2, ref.shape), jnp.float32)
+  batch = dpo.DPOBatch(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(loss_mask), ref)
+  packed = batch._replace(packed=device_packed(tokens, mask, 24))
+  assert packed.packed.tokens.shape[0] < len(lengths)
+  np.testing.assert_allclose(
+    dpo.sequence_logprobs(graphdef, params, tokens, mask, loss_mask, average, packed=packed.packed),
+    dpo.sequence_logprobs(graphdef, params, tokens, mask, loss_mask, average),
+    rtol=1e-5,
+    atol=1e-5,
+  )
+  cfg = dpo.DPOLossConfig(loss=loss)
+  loss_fn = lambda p, b: dpo.preference_loss(p, graphdef, b, cfg)
+  assert_same_loss_and_grads(loss_fn, params, batch, packed)
+
+
+def test_reward_model_scores_and_loss_are_the_same_packed_and_padded():
+  graphdef, params = models.create(TINY, jax.random.PRNGKey(11), lm_head=False, scalar_head=True)
+  lengths = [14, 5, 9, 3, 20, 6, 11, 4]
+  tokens, mask, _ = make_batch(lengths, [1] * 8, 24, seed=12)
+  packed = device_packed(tokens, mask, 24)
+  np.testing.assert_allclose(
+    reward_model.sequence_scores(graphdef, params, tokens, mask, packed),
+    models.sequence_scores(graphdef, params, tokens, mask),
+    rtol=1e-5,
+    atol=1e-5,
+  )
+  margin = jnp.zeros(4, jnp.float32)
+  batch = reward_model.PairBatch(jnp.asarray(tokens), jnp.asarray(mask), margin)
+  loss_fn = lambda p, b: reward_model.pair_loss(p, graphdef, b, 0.01)
+  assert_same_loss_and_grads(loss_fn, params, batch, batch._replace(packed=packed))
+
+
 def test_row_count_is_a_power_of_two_times_the_shards_and_never_above_the_batch():
   assert [packing.row_count(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
   assert packing.row_count(3, multiple=2) == 4
@@ -233,28 +295,41 @@ def digit_share(prompts, completions, metadata):
   return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-@pytest.mark.parametrize('module', [grpo_arith, ppo_arith], ids=['grpo', 'ppo'])
-def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, module):
-  """One RL iteration (the same rollout: the sampler runs before any update),
-  padded and packed, with a reference model (its logprobs packed too): the
-  same losses, entropy, KL and gradient norm, on fewer tokens."""
+RUNS = {
+  'grpo': (grpo_arith, {}, ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/kl_ref']),
+  'ppo': (ppo_arith, {}, ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'critic/vf_loss']),
+  'sft': (sft_arith, {'sft.steps': 1, 'rl.steps': 0}, ['sft/nll', 'sft/grad_norm']),
+  'dpo': (dpo_arith, {}, ['dpo/loss', 'dpo/grad_norm', 'logps/chosen', 'logps/rejected']),
+}
+
+
+@pytest.mark.parametrize('name', sorted(RUNS))
+def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, name):
+  """One iteration of each kind of trainer, padded and packed (for GRPO and
+  PPO the same rollout: the sampler runs before any update; with a
+  reference model, whose logprobs are packed too): the same losses and
+  gradient norms."""
+  module, fields, keys = RUNS[name]
   logged = {}
   for packed in (False, True):
     workdir = tmp_path / f'packed_{packed}'
     config = module.get_config()
     seq_len = config.rl.max_prompt_len + config.rl.max_new_tokens
     overrides = {**SHRINK, **QUIET, 'workdir': str(workdir), 'sft.steps': 0, 'rl.steps': 1}
-    overrides.update({'rl.packing': packed, 'rl.pack_row_len': 4 * seq_len, 'rl.kl_coef': 0.01})
-    overrides['reward.functions'] = (f'{__name__}:digit_share',)
-    overrides['reward.mode'] = 'inline'
+    overrides.update({'rl.packing': packed, 'rl.pack_row_len': 4 * seq_len, **fields})
+    if name in ('grpo', 'ppo'):
+      overrides['rl.kl_coef'] = 0.01
+      overrides['reward.functions'] = (f'{__name__}:digit_share',)
+      overrides['reward.mode'] = 'inline'
     trainers.run(set_fields(config, overrides))
     logged[packed] = records(str(workdir))[-1]
   padded, packed = logged[False], logged[True]
-  keys = ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/loss']
-  keys += ['critic/vf_loss'] if module is ppo_arith else ['actor/kl_ref']
-  assert padded['advantages/std'] > 0  # a loss with gradients to compare
   for key in keys:
+    assert padded[key] != 0, key  # a figure that depends on the model
     np.testing.assert_allclose(packed[key], padded[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  if name not in ('grpo', 'ppo'):
+    return
+  assert padded['advantages/std'] > 0  # a loss with gradients to compare
   assert 'throughput/real_token_frac_packed' not in padded
   # 8 rows of 8 over 8 devices: the rows split over the devices, so (at these
   # sizes) packing cannot save rows; the unit tests above show fewer rows.
