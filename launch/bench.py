@@ -7,7 +7,7 @@
     python launch/bench.py grpo [--setup default|larger --steps 4]
     python launch/bench.py grpo --setup real --steps 3 --remat none,full --lora_rank 0,16 \\
         [--model_path models/smollm2 --kl_coef 0.001 --set rl.prompts_per_step=4]
-    python launch/bench.py update [--size cpu-20m --batch 32 --max_len 1024 --mean_frac 0.25]
+    python launch/bench.py update [--size cpu-20m --batch 16 --max_len 1024 --mean_frac 0.25]
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40]
@@ -1079,7 +1079,7 @@ def main(argv=None):
   p = sub.add_parser('update', help='a GRPO update step, padded vs packed rows')
   p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
   p.add_argument('--compute_dtype', default='float32')
-  p.add_argument('--batch', type=int, default=32, help='sequences in the minibatch')
+  p.add_argument('--batch', type=int, default=16, help='sequences in the minibatch')
   p.add_argument('--max_len', type=int, default=1024, help='longest sequence (padded row length)')
   p.add_argument('--mean_frac', type=float, default=0.25, help='mean length / max_len')
   p.add_argument('--row_len', type=int, default=0, help='packed row length (0: max_len)')

@@ -1,5 +1,6 @@
 """Smoke tests for `launch/bench.py grpo --setup real` (the GRPO step of
-configs/grpo_smollm2_gsm.py, once per remat policy and LoRA rank).
+configs/grpo_smollm2_gsm.py, once per remat policy and LoRA rank) and
+`launch/bench.py update` (padded vs packed rows).
 
 The checkpoint is a tiny random Llama in SmolLM2's layout, written the way
 `launch/prepare_model.py` makes models/smollm2: a llama.cpp-style GGUF (the
@@ -121,3 +122,16 @@ def test_set_fields_parses_each_field_as_its_type():
   assert (config.task.system_prompt, config.seed) == ('', 3)
   with pytest.raises(ValueError, match='KEY=VALUE'):
     bench.set_fields(config, ['rl.group_size'])
+
+
+def test_update_bench_packs_a_long_tailed_batch_into_fewer_rows(capsys):
+  lengths = bench.long_tailed_lengths(64, 512, 0.25, seed=0)
+  assert lengths.max() == 512 and lengths.min() >= 16
+  assert 0.2 * 512 < lengths.mean() < 0.3 * 512
+  bench.main(['update', '--size', 'cpu-20m', '--batch', '8', '--max_len', '64', '--repeats', '1'])
+  out = capsys.readouterr().out
+  rows = re.search(r'padded (\d+) rows x 64 .*packed (\d+) rows x 64', out)
+  assert rows and int(rows.group(2)) < int(rows.group(1)) == 8
+  for name in ('padded', 'packed'):
+    assert re.search(rf'{name} +[\d.]+ ms/step .* MFU \(real tokens\) +[\d.]+%', out), out
+  assert re.search(r'packed / padded time: x[\d.]+', out)
