@@ -944,12 +944,14 @@ def bench_rewards(args):
   print(f'  code reward, 4 tests per program:          {1 / program_s:7.1f} rewards/s')
 
 
-def long_tailed_lengths(n, max_len, mean_frac, seed):
-  """`n` sequence lengths in [16, max_len] with a long tail (log-normal), the
-  mean `mean_frac` of max_len (rescaled, then clipped; deterministic)."""
+def long_tailed_lengths(n, max_len, mean_frac, seed, min_len=16):
+  """`n` sequence lengths in [min_len, max_len] with a long tail (log-normal
+  above min_len), the mean about `mean_frac` of max_len (rescaled, then
+  clipped; deterministic)."""
   rng = np.random.default_rng(seed)
   raw = rng.lognormal(0.0, 1.0, n)
-  lengths = np.clip(np.round(raw / raw.mean() * mean_frac * max_len), 16, max_len)
+  extra = max(mean_frac * max_len - min_len, 0.0)
+  lengths = np.clip(np.round(min_len + raw / raw.mean() * extra), min_len, max_len)
   lengths[np.argmax(lengths)] = max_len  # one at the limit, as a clipped response
   return lengths.astype(np.int32)
 
@@ -967,7 +969,7 @@ def bench_update(args):
     **MODEL_SIZES[args.size], compute_dtype=args.compute_dtype, remat=args.remat
   )
   b, t = args.batch, args.max_len
-  lengths = long_tailed_lengths(b, t, args.mean_frac, seed=0)
+  lengths = long_tailed_lengths(b, t, args.mean_frac, seed=0, min_len=args.min_len)
   rng = np.random.default_rng(1)
   tokens = np.zeros((b, t), np.int32)
   mask = np.zeros((b, t), bool)
@@ -1082,6 +1084,7 @@ def main(argv=None):
   p.add_argument('--batch', type=int, default=16, help='sequences in the minibatch')
   p.add_argument('--max_len', type=int, default=1024, help='longest sequence (padded row length)')
   p.add_argument('--mean_frac', type=float, default=0.25, help='mean length / max_len')
+  p.add_argument('--min_len', type=int, default=16, help='shortest sequence (e.g. the prompt)')
   p.add_argument('--row_len', type=int, default=0, help='packed row length (0: max_len)')
   p.add_argument('--remat', default='full')
   p.add_argument('--repeats', type=int, default=3)

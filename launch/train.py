@@ -5,6 +5,9 @@
 Parses flags and calls `jrl.trainers.run`; nothing else lives here.
 Restarting the same command resumes from the latest checkpoint in
 `config.workdir`; SIGTERM (preemption) saves a checkpoint and exits 0.
+Compiled programs are kept in `config.workdir/xla_cache` (JAX's persistent
+compilation cache), so a restarted run loads them instead of compiling
+again (`--nocompilation_cache`: off).
 
 On several hosts every host runs the same command. Processes join through
 `jax.distributed`: automatically on Cloud TPU VMs and SLURM, or from
@@ -28,6 +31,9 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config.', 
 _COORDINATOR = flags.DEFINE_string('coordinator_address', '', 'host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0, 'Number of processes (0: from env).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process (-1: from env).')
+_CACHE = flags.DEFINE_bool(
+  'compilation_cache', True, 'Keep compiled programs in WORKDIR/xla_cache for restarts.'
+)
 
 
 def main(argv):
@@ -37,7 +43,12 @@ def main(argv):
   from jrl import distributed
 
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from jrl import trainers
+  from jrl import sampler, trainers
+
+  if _CACHE.value:
+    sampler.enable_compilation_cache(
+      os.path.join(os.path.abspath(_CONFIG.value.workdir), 'xla_cache')
+    )
 
   trainers.run(_CONFIG.value)
 

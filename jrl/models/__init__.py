@@ -1,20 +1,22 @@
 """jrl.models: one transformer for policy, reference, critic and reward model."""
 
+from jrl.models.attention import (
+  causal_attention,
+  dot_attention,
+  positions_from_mask,
+  positions_from_segments,
+  segment_starts,
+)
 from jrl.models.config import LinearRopeScaling, LoraConfig, ModelConfig, RopeScaling
+from jrl.models.logical_axes import head_units, param_logical_axes
+from jrl.models.moe import router_load_balancing_loss
 from jrl.models.transformer import (
   abstract,
-  causal_attention,
   create,
   create_sharded,
-  dot_attention,
   hidden_states,
   logits,
   next_token_logprobs,
-  param_logical_axes,
-  positions_from_mask,
-  positions_from_segments,
-  router_load_balancing_loss,
-  segment_starts,
   sequence_scores,
   values,
 )

@@ -57,7 +57,7 @@ import jax
 import numpy as np
 
 from jrl import distributed, parallel
-from jrl.models import transformer
+from jrl.models import logical_axes, transformer
 from jrl.models.config import FAMILIES, ModelConfig
 from jrl.models.hf_names import _EXPERT, expert_names, hf_name
 from jrl.models.safetensors_io import DTYPES, SafetensorsFile, save_file
@@ -209,7 +209,7 @@ def load(
   graphdef, abstract_params = transformer.abstract(config, lm_head=lm_head, scalar_head=scalar_head)
   if mesh is not None:
     shardings = parallel.param_shardings(
-      mesh, abstract_params, transformer.param_logical_axes, rules, transformer.head_units(config)
+      mesh, abstract_params, logical_axes.param_logical_axes, rules, logical_axes.head_units(config)
     )
   else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

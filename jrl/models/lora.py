@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from jrl import distributed, parallel
-from jrl.models import hf_names, transformer
+from jrl.models import hf_names, logical_axes, transformer
 from jrl.models.config import LORA_TARGETS, LoraConfig
 
 ADAPTER_KEYS = ('lora_a', 'lora_b')
@@ -130,7 +130,11 @@ def attach(graphdef, base_params, lora_config, key, *, mesh=None, rules=None):
   out_shardings = None
   if mesh is not None:
     out_shardings = parallel.param_shardings(
-      mesh, abstract_adapters, transformer.param_logical_axes, rules, transformer.head_units(config)
+      mesh,
+      abstract_adapters,
+      logical_axes.param_logical_axes,
+      rules,
+      logical_axes.head_units(config),
     )
 
   def init(k):

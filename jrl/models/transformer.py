@@ -53,7 +53,6 @@ K kv heads, d head width, V vocabulary, E experts, N = B·T token rows.
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +60,25 @@ import numpy as np
 from flax import nnx
 
 from jrl import losses, precision
+from jrl.models.attention import (
+  apply_rope,
+  causal_attention,
+  positions_from_mask,
+  positions_from_segments,
+  segment_starts,
+)
 from jrl.models.config import ModelConfig, rope_inv_freq
+from jrl.models.logical_axes import head_units, param_logical_axes
+from jrl.models.moe import (
+  activation,
+  experts_dense,
+  experts_ragged,
+  route,
+  router_load_balancing_loss,
+)
 
 # attention(layer, q_BxTxHxd, k_BxTxKxd, v_BxTxKxd, cache) -> (out_BxTxHxd, cache)
 AttentionFn = Callable
-
-NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
 
 
 class Dense(nnx.Module):
@@ -152,133 +164,6 @@ class Embed(nnx.Module):
     return x
 
 
-def apply_rope(x_BxTxNxd, positions_BxT, inv_freq):
-  """Rotary embedding in the "rotate half" layout used by Llama and Qwen.
-
-  Args:
-    x_BxTxNxd: queries or keys.
-    positions_BxT: int positions.
-    inv_freq: [d/2] float32 inverse frequencies.
-
-  Returns:
-    [B, T, N, d] in x's dtype.
-  """
-  # Angles in float32, then cast: the same order of operations as Hugging Face.
-  angles_BxTxh = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  angles_BxTxd = jnp.concatenate([angles_BxTxh, angles_BxTxh], axis=-1)
-  cos = jnp.cos(angles_BxTxd)[:, :, None, :].astype(x_BxTxNxd.dtype)
-  sin = jnp.sin(angles_BxTxd)[:, :, None, :].astype(x_BxTxNxd.dtype)
-  x1, x2 = jnp.split(x_BxTxNxd, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return x_BxTxNxd * cos + rotated * sin
-
-
-class AttentionOptions(NamedTuple):
-  """What differs between the attention of one layer and another's."""
-
-  window: int | None  # sliding window W (None: global)
-  scale: float | None  # score scale (None: 1 / sqrt(d))
-  softcap: float | None  # scores -> c·tanh(scores / c) (None: off)
-
-
-def attention_options(config, layer):
-  """The AttentionOptions of layer `layer` of `config`."""
-  return AttentionOptions(config.window(layer), config.attn_scale, config.attn_softcap)
-
-
-def attention_scores(scores, d, scale=None, softcap=None):
-  """float32 scores q·k scaled (1/sqrt(d) or `scale`) and soft-capped.
-
-  Shared by the dense and the paged attention, so the sampler and the
-  trainer compute the very same numbers.
-  """
-  scores = scores.astype(jnp.float32)
-  if scale is None:
-    scores = scores / np.sqrt(d).astype(np.float32)
-  else:
-    scores = scores * np.float32(scale)
-  if softcap is not None:
-    scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
-  return scores
-
-
-def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS, *, scale=None, softcap=None):
-  """Softmax attention with grouped kv heads and a boolean visibility mask.
-
-  Query head h reads kv head h // (H / K). Scores and softmax are float32;
-  `scale` (default 1 / sqrt(d)) and `softcap` as in `attention_scores`.
-  A query with no visible key gets a uniform average (finite), never NaN.
-
-  Returns:
-    [B, T, H, d] in v's dtype.
-  """
-  b, t, h, d = q_BxTxHxd.shape
-  k = k_BxSxKxd.shape[2]
-  q_BxTxKxGxd = q_BxTxHxd.reshape(b, t, k, h // k, d)
-  # float32 scores from compute-dtype operands; compute-dtype matmuls backwards.
-  scores = precision.einsum_f32('btkgd,bskd->bkgts', q_BxTxKxGxd, k_BxSxKxd)
-  scores = attention_scores(scores, d, scale, softcap)
-  scores = jnp.where(allowed_BxTxS[:, None, None, :, :], scores, NEG_INF)
-  # Softmax in float32.
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxd.dtype)
-  out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxd)
-  return out.reshape(b, t, h, d)
-
-
-def within_window(q_pos, k_pos, window):
-  """Key position k_pos is inside the sliding window of query position q_pos
-  (q_pos − k_pos < W; Hugging Face's convention). True everywhere when
-  `window` is None. Broadcasts."""
-  if window is None:
-    return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), bool)
-  return q_pos - k_pos < window
-
-
-def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=None):
-  """Dense causal attention for full sequences: key s is visible to query t iff
-  s ≤ t and (mask[s] or s = t); left or right padding both work.
-
-  With `segment_ids` (packed rows: 1, 2, ... per sequence, 0 on padding) key s
-  is visible to query t iff s ≤ t and segment[s] = segment[t] > 0 (or s = t),
-  so no token attends across a sequence boundary.
-
-  With `config`, each layer also applies its sliding window (on `positions`,
-  which default to `positions_from_mask(mask)`; per-segment positions for
-  packed rows), score scale and soft-cap.
-  """
-  mask_BxT = mask_BxT.astype(bool)
-  t = mask_BxT.shape[1]
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  visible_BxTxS = mask_BxT[:, None, :]
-  if segment_ids_BxT is not None:
-    seg = jnp.asarray(segment_ids_BxT)
-    visible_BxTxS = visible_BxTxS & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
-  # Every query also sees itself, so a padding query (which has no real key
-  # before it) stays causal instead of averaging over every key.
-  allowed_BxTxT = causal_TxT[None] & (visible_BxTxS | jnp.eye(t, dtype=bool)[None])
-  if config is None:
-
-    def attend(layer, q, k, v, cache):
-      del layer
-      return dot_attention(q, k, v, allowed_BxTxT), cache
-
-    return attend
-
-  if positions_BxT is None:
-    positions_BxT = positions_from_mask(mask_BxT)
-  windowed = {}
-  for w in {config.window(i) for i in range(config.num_layers)} - {None}:
-    inside = within_window(positions_BxT[:, :, None], positions_BxT[:, None, :], w)
-    windowed[w] = allowed_BxTxT & (inside | jnp.eye(t, dtype=bool)[None])
-
-  def attend_layer(layer, q, k, v, cache):
-    opts = attention_options(config, layer)
-    allowed = allowed_BxTxT if opts.window is None else windowed[opts.window]
-    return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap), cache
-
-  return attend_layer
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention: projections, q/k norm, RoPE; the attention
   itself is the caller's `attention` function."""
@@ -310,12 +195,6 @@ class Attention(nnx.Module):
     return self.o(out_BxTxHxd.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
 
 
-def _activation(name, x):
-  if name == 'gelu_tanh':
-    return jax.nn.gelu(x, approximate=True)
-  return jax.nn.silu(x)
-
-
 class MLP(nnx.Module):
   """Gated MLP: down(act(gate(x)) · up(x)); SwiGLU (silu) or GeGLU (gelu, tanh
   approximation)."""
@@ -328,56 +207,7 @@ class MLP(nnx.Module):
     self.activation = config.activation
 
   def __call__(self, x):
-    return self.down(_activation(self.activation, self.gate(x)) * self.up(x))
-
-
-def route(router_logits_NxE, k, normalise):
-  """Top-k routing: softmax over experts in float32, the k largest
-  probabilities (renormalised to sum to 1 when `normalise`).
-
-  Returns:
-    (weights [N, k] float32, experts [N, k] int32).
-  """
-  # Router softmax in float32.
-  probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
-  weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, k)
-  if normalise:
-    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
-  return weights_NxK, experts_NxK.astype(jnp.int32)
-
-
-def experts_dense(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):
-  """Every expert on every token, combined with the routing weights (zero for
-  the unselected ones). Exact; costs E/k times the routed FLOPs and an
-  [E, N, F] activation, and shards over the expert axis as it stands (each
-  device runs its experts on all tokens; one all-reduce combines them)."""
-  e = gate_ExDxF.shape[0]
-  n = x_NxD.shape[0]
-  combine_NxE = jnp.zeros((n, e), weights_NxK.dtype)
-  combine_NxE = combine_NxE.at[jnp.arange(n)[:, None], experts_NxK].add(weights_NxK)
-  h_ExNxF = _activation(activation, jnp.einsum('nd,edf->enf', x_NxD, gate_ExDxF))
-  h_ExNxF = h_ExNxF * jnp.einsum('nd,edf->enf', x_NxD, up_ExDxF)
-  y_ExNxD = jnp.einsum('enf,efd->end', h_ExNxF, down_ExFxD)
-  return jnp.einsum('end,ne->nd', y_ExNxD, combine_NxE.astype(y_ExNxD.dtype))
-
-
-def experts_ragged(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):
-  """Dropless sorted dispatch: the N·k (token, expert) pairs are sorted by
-  expert, each expert multiplies its contiguous rows (`jax.lax.ragged_dot`),
-  and the weighted rows are added back to their tokens. Exact, and k/E of the
-  dense FLOPs; memory is N·k rows of width F."""
-  k = experts_NxK.shape[1]
-  e = gate_ExDxF.shape[0]
-  flat_M = experts_NxK.reshape(-1)  # M = N·k pairs, token-major
-  order_M = jnp.argsort(flat_M, stable=True)
-  token_M = order_M // k
-  group_sizes_E = jnp.bincount(flat_M, length=e).astype(jnp.int32)
-  x_MxD = jnp.take(x_NxD, token_M, axis=0)
-  h_MxF = _activation(activation, jax.lax.ragged_dot(x_MxD, gate_ExDxF, group_sizes_E))
-  h_MxF = h_MxF * jax.lax.ragged_dot(x_MxD, up_ExDxF, group_sizes_E)
-  y_MxD = jax.lax.ragged_dot(h_MxF, down_ExFxD, group_sizes_E)
-  w_M = jnp.take(weights_NxK.reshape(-1), order_M).astype(y_MxD.dtype)
-  return jnp.zeros_like(x_NxD).at[token_M].add(y_MxD * w_M[:, None])
+    return self.down(activation(self.activation, self.gate(x)) * self.up(x))
 
 
 class MoE(nnx.Module):
@@ -419,43 +249,6 @@ class MoE(nnx.Module):
       cfg.activation,
     )
     return y_NxD.reshape(b, t, d), logits_NxE
-
-
-def router_load_balancing_loss(router_logits, mask_BxT, num_experts, k):
-  """Switch-Transformer auxiliary loss (Fedus et al., 2021, eqs. 4-6), over all
-  MoE layers together:
-
-      L_aux = E · Σ_e f_e · P_e,
-
-  f_e the fraction of (token, top-k slot) assignments that go to expert e and
-  P_e the mean router probability of e, both averaged over real tokens
-  (mask) of every MoE layer at once. As Hugging Face's
-  `load_balancing_loss_func` (Qwen3-MoE, Mixtral): f counts each token k
-  times, so a perfectly balanced router gives k, not 1.
-
-  Args:
-    router_logits: list of [B·T, E] router logits, one per MoE layer.
-    mask_BxT: real tokens.
-    num_experts: E.
-    k: experts per token.
-
-  Returns:
-    [] float32 (0 when there is no MoE layer).
-  """
-  if not router_logits:
-    return jnp.zeros((), jnp.float32)
-  m_N = mask_BxT.reshape(-1).astype(jnp.float32)
-  counts_E = jnp.zeros(num_experts, jnp.float32)
-  probs_E = jnp.zeros(num_experts, jnp.float32)
-  for logits_NxE in router_logits:
-    # Router softmax in float32.
-    p_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
-    _, top_NxK = jax.lax.top_k(p_NxE, k)
-    hits_NxE = jnp.sum(jax.nn.one_hot(top_NxK, num_experts, dtype=jnp.float32), axis=1)
-    counts_E = counts_E + jnp.sum(hits_NxE * m_N[:, None], axis=0)
-    probs_E = probs_E + jnp.sum(p_NxE * m_N[:, None], axis=0)
-  rows = len(router_logits) * jnp.maximum(jnp.sum(m_N), 1.0)
-  return num_experts * jnp.sum((counts_E / rows) * (probs_E / rows))
 
 
 class Block(nnx.Module):
@@ -689,12 +482,6 @@ def abstract(config, *, lm_head=True, scalar_head=False):
   return nnx.split(model)
 
 
-def positions_from_mask(mask_BxT):
-  """Positions that start at 0 on each row's first real token (left padding)."""
-  mask = mask_BxT.astype(jnp.int32)
-  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-
-
 def _check_batch(tokens, mask, positions):
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f'`tokens` must be an int [B, T] array, got {tokens.dtype}{tokens.shape}.')
@@ -702,24 +489,6 @@ def _check_batch(tokens, mask, positions):
     raise ValueError(f'`mask` must have shape {tokens.shape}, got {mask.shape}.')
   if positions is not None and positions.shape != tokens.shape:
     raise ValueError(f'`positions` must have shape {tokens.shape}, got {positions.shape}.')
-
-
-def positions_from_segments(segment_ids_BxT):
-  """Positions that restart at 0 where each segment of a packed row begins
-  (0 on padding). Segments are contiguous runs of one id."""
-  seg = jnp.asarray(segment_ids_BxT)
-  t = seg.shape[1]
-  col_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
-  starts_BxT = segment_starts(seg)
-  first_BxT = jax.lax.cummax(jnp.where(starts_BxT, col_BxT, 0), axis=1)
-  return jnp.where(seg > 0, col_BxT - first_BxT, 0).astype(jnp.int32)
-
-
-def segment_starts(segment_ids_BxT):
-  """[B, T] bool: the first token of each segment (not on padding)."""
-  seg = jnp.asarray(segment_ids_BxT)
-  before = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  return (seg != before) & (seg > 0)
 
 
 def hidden_states(
@@ -839,73 +608,6 @@ def sequence_scores(graphdef, params, tokens, mask):
   t = mask.shape[1]
   last_B = t - 1 - jnp.argmax(mask.astype(bool)[:, ::-1], axis=-1)
   return jnp.take_along_axis(v_BxT, last_B[:, None], axis=-1)[:, 0]
-
-
-# Logical axes of every parameter ---------------------------------------------
-
-_LOGICAL_AXES = {
-  ('embed', 'embedding'): ('vocab', 'embed'),
-  ('attn', 'q', 'kernel'): ('embed', 'q_heads'),
-  ('attn', 'k', 'kernel'): ('embed', 'kv_heads'),
-  ('attn', 'v', 'kernel'): ('embed', 'kv_heads'),
-  ('attn', 'o', 'kernel'): ('q_heads', 'embed'),
-  ('attn', 'q', 'bias'): ('q_heads',),
-  ('attn', 'k', 'bias'): ('kv_heads',),
-  ('attn', 'v', 'bias'): ('kv_heads',),
-  ('attn', 'q_norm', 'scale'): ('norm',),
-  ('attn', 'k_norm', 'scale'): ('norm',),
-  ('attn_norm', 'scale'): ('norm',),
-  ('mlp_norm', 'scale'): ('norm',),
-  ('post_attn_norm', 'scale'): ('norm',),
-  ('pre_mlp_norm', 'scale'): ('norm',),
-  ('post_mlp_norm', 'scale'): ('norm',),
-  ('mlp', 'gate', 'kernel'): ('embed', 'mlp'),
-  ('mlp', 'up', 'kernel'): ('embed', 'mlp'),
-  ('mlp', 'down', 'kernel'): ('mlp', 'embed'),
-  ('moe', 'router', 'kernel'): ('embed', 'router'),
-  ('moe', 'gate'): ('expert', 'embed', 'expert_mlp'),
-  ('moe', 'up'): ('expert', 'embed', 'expert_mlp'),
-  ('moe', 'down'): ('expert', 'expert_mlp', 'embed'),
-  ('final_norm', 'scale'): ('norm',),
-  ('lm_head', 'kernel'): ('embed', 'vocab'),
-  # LoRA adapters: A [in, r] and B [r, out] split like the kernel's in and
-  # out dimensions; the rank r is replicated.
-  ('attn', 'q', 'lora_a'): ('embed', None),
-  ('attn', 'q', 'lora_b'): (None, 'q_heads'),
-  ('attn', 'k', 'lora_a'): ('embed', None),
-  ('attn', 'k', 'lora_b'): (None, 'kv_heads'),
-  ('attn', 'v', 'lora_a'): ('embed', None),
-  ('attn', 'v', 'lora_b'): (None, 'kv_heads'),
-  ('attn', 'o', 'lora_a'): ('q_heads', None),
-  ('attn', 'o', 'lora_b'): (None, 'embed'),
-  ('mlp', 'gate', 'lora_a'): ('embed', None),
-  ('mlp', 'gate', 'lora_b'): (None, 'mlp'),
-  ('mlp', 'up', 'lora_a'): ('embed', None),
-  ('mlp', 'up', 'lora_b'): (None, 'mlp'),
-  ('mlp', 'down', 'lora_a'): ('mlp', None),
-  ('mlp', 'down', 'lora_b'): (None, 'embed'),
-  ('score', 'kernel'): ('embed', 'head_out'),
-}
-
-
-def param_logical_axes(path):
-  """Logical axis names of the parameter at `path` (e.g. ('layers', 0, 'attn', 'q', 'kernel')).
-
-  Raises:
-    ValueError for a path the table does not know (every parameter must have
-    a rule).
-  """
-  key = tuple(k for k in path if not isinstance(k, int))
-  if key and key[0] == 'layers':
-    key = key[1:]
-  if key not in _LOGICAL_AXES:
-    raise ValueError(f'no logical axes for parameter {"/".join(map(str, path))}.')
-  return _LOGICAL_AXES[key]
-
-
-def head_units(config):
-  """Head dimensions are flattened (H·d); shard them only in whole heads."""
-  return {'q_heads': config.head_dim, 'kv_heads': config.head_dim}
 
 
 def create_sharded(config, key, mesh, *, lm_head=True, scalar_head=False, rules=None):

@@ -19,14 +19,14 @@ Sliding-window layers (Mistral, Gemma) gather only the pages that overlap
 the slot's window: a slot at length n with window W reads the
 ceil((W − 1) / P) + 1 pages from the one holding position n − W on, never
 the pages before; these layers always take the gather path. The score
-scale and soft-cap of `jrl.models.transformer.attention_scores` apply on
+scale and soft-cap of `jrl.models.attention.attention_scores` apply on
 both paths.
 """
 
 import jax
 import jax.numpy as jnp
 
-from jrl.models.transformer import NEG_INF, attention_scores
+from jrl.models.attention import NEG_INF, attention_scores
 
 IMPLEMENTATIONS = ('auto', 'gather', 'pallas')
 
@@ -61,7 +61,7 @@ def paged_attention_gather(
 
   The slot's pages are gathered as [K, S, M, P, d] and contracted in that
   layout (no transposed copy); scores and softmax are float32 as in
-  `jrl.models.transformer.dot_attention`, which this equals (tested). With a
+  `jrl.models.attention.dot_attention`, which this equals (tested). With a
   window only the Mw = `window_pages` pages that overlap it are gathered.
 
   Args:
@@ -69,7 +69,7 @@ def paged_attention_gather(
     k_pages, v_pages: [K, N, P, d].
     page_table_SxM: int32 page ids.
     lengths_S: int32 number of valid cached tokens per slot (≥ 1 for live slots).
-    scale, softcap: as `jrl.models.transformer.attention_scores`.
+    scale, softcap: as `jrl.models.attention.attention_scores`.
     window: sliding window W: keys at positions ≥ lengths − W only (None: all).
 
   Returns:

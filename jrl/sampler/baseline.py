@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jrl.models.transformer import dot_attention
+from jrl.models.attention import dot_attention
 from jrl.sampler.sampling import SamplingParams, sample
 
 

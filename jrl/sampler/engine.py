@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jrl.models.transformer import attention_options, dot_attention, within_window
+from jrl.models.attention import attention_options, dot_attention, within_window
 from jrl.sampler import attention as paged
 from jrl.sampler.sampling import _NEG, SamplingParams, sample
 

@@ -151,6 +151,7 @@ FIELDS = {
   'rl.overlong_penalty': non_negative(),
   'rl.dynamic_sampling_max_draws': count(0),
   'rl.chunk_size': count(1),
+  'rl.pack_row_len': count(0),  # 0: max_prompt_len + max_new_tokens
   'optim.lr': positive(),
   'optim.warmup_steps': count(0),
   'optim.decay_steps': count(0),
@@ -340,6 +341,13 @@ def validate(config, batch_shards):
     rl.minibatch_size % batch_shards == 0,
     'rl.minibatch_size',
     f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
+  )
+  seq_len = rl.max_prompt_len + rl.max_new_tokens
+  need(
+    not rl.pack_row_len or rl.pack_row_len >= seq_len,
+    'rl.pack_row_len',
+    f'must be 0 or at least max_prompt_len + max_new_tokens = {seq_len} (a row holds '
+    'the longest sequence).',
   )
   need(
     config.sft.batch_size % batch_shards == 0,

@@ -37,8 +37,8 @@ def _rollout_shardings(mesh, rollout_mesh, model_config, params):
   return parallel.param_shardings(
     rollout_mesh,
     params,
-    models.transformer.param_logical_axes,
-    units=models.transformer.head_units(model_config),
+    models.param_logical_axes,
+    units=models.head_units(model_config),
   )
 
 

@@ -533,7 +533,7 @@ def test_grpo_step_sharded_equals_single_device(loaded, name):
 
   mesh = parallel.make_mesh(**MESHES[name])
   shardings = parallel.param_shardings(
-    mesh, ckpt.params, models.param_logical_axes, units=models.transformer.head_units(ckpt.config)
+    mesh, ckpt.params, models.param_logical_axes, units=models.head_units(ckpt.config)
   )
   params = jax.device_put(ckpt.params, shardings)
   specs = {s.spec for s in jax.tree.leaves(shardings)}

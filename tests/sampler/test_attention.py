@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.models.transformer import dot_attention
+from jrl.models.attention import dot_attention
 from jrl.sampler import attention, engine
 
 

@@ -22,7 +22,7 @@ import pytest
 from configs import dpo_arith, grpo_arith, ppo_arith, sft_arith
 from jrl import models, trainers
 from jrl.data import packing
-from jrl.trainers import common, dpo, policy_step, ppo, reward_model, sft
+from jrl.trainers import checks, common, dpo, policy_step, ppo, reward_model, sft
 from tests.helpers import QUIET, SHRINK, records, set_fields, shrunk_config
 
 TINY = models.ModelConfig(
@@ -282,6 +282,8 @@ def test_a_row_that_is_not_right_padded_is_named():
 
 def test_pack_row_len_below_the_longest_sequence_is_refused(tmp_path):
   config = shrunk_config(tmp_path, {'rl.packing': True, 'rl.pack_row_len': 8})
+  with pytest.raises(ValueError, match=r'^`rl\.pack_row_len`: must be 0 or at least'):
+    checks.validate(config, 1)
   with pytest.raises(ValueError, match=r'rl\.pack_row_len'):
     common.make_packer(config.rl, 64, None)
 

@@ -1,14 +1,17 @@
 """Run options of the controller: `log.profile_steps` (a jax.profiler trace of
 the chosen iterations, jrl's stages as annotations in it; bad values name the
-field) and `eval.at_start`."""
+field), `eval.at_start`, and `launch/train.py`'s compilation cache in the
+run directory."""
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
 from jrl import trainers
-from tests.helpers import QUIET, shrunk_config
+from tests.helpers import QUIET, REPO, SHRINK, shrunk_config
 
 
 def test_profiles_the_chosen_iteration_with_stage_annotations(tmp_path):
@@ -46,3 +49,29 @@ def test_eval_at_start_off_skips_only_the_first_evaluation(tmp_path):
   fields.update({'eval.every': 2, 'eval.at_start': False})
   trainers.run(shrunk_config(tmp_path / 'run', fields))
   assert [r['step'] for r in records(tmp_path / 'run') if 'eval/accuracy' in r] == [2]
+
+
+def test_a_restarted_run_loads_its_compiled_programs_from_the_workdir(tmp_path):
+  """`launch/train.py` keeps compiled programs in WORKDIR/xla_cache: the
+  first run fills it, the first restart adds only what resuming needs (the
+  check of the restored state), and a second restart (one more iteration
+  each time) finds every program it needs there."""
+  fields = {**SHRINK, **QUIET, 'sft.steps': 0, 'workdir': str(tmp_path / 'run')}
+  flags = [f'--config.{key}={value}' for key, value in fields.items()]
+  cache = tmp_path / 'run' / 'xla_cache'
+
+  def train(steps):
+    subprocess.run(
+      [sys.executable, 'launch/train.py', '--config', 'configs/grpo_arith.py', *flags]
+      + [f'--config.rl.steps={steps}'],
+      cwd=REPO,
+      check=True,
+      capture_output=True,
+    )
+    return set(os.listdir(cache))
+
+  first = train(1)
+  assert len(first) > 10  # the programs of the first run
+  resumed = train(2)
+  assert first < resumed and len(resumed - first) <= 2, resumed - first
+  assert train(3) == resumed  # nothing new compiled by the second restart

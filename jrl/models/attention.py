@@ -1,0 +1,174 @@
+"""Attention of the full-sequence forward, and what the sampler shares with it.
+
+Rotary embeddings (`apply_rope`), each layer's window / scale / soft-cap
+(`attention_options`), the float32 scores (`attention_scores`), softmax
+attention under a boolean mask with grouped kv heads (`dot_attention`), and
+the causal mask of training rows, padded or packed (`causal_attention`:
+with `segment_ids` no token attends across a sequence boundary; positions
+restart with `positions_from_segments`). The paged attention of the sampler
+(`jrl/sampler/attention.py`) reuses the scores and the options, so trainer
+and sampler compute the same numbers.
+
+Shapes: B batch, T queries, S keys, H query heads, K kv heads, d head width.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl import precision
+
+NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
+
+
+def apply_rope(x_BxTxNxd, positions_BxT, inv_freq):
+  """Rotary embedding in the "rotate half" layout used by Llama and Qwen.
+
+  Args:
+    x_BxTxNxd: queries or keys.
+    positions_BxT: int positions.
+    inv_freq: [d/2] float32 inverse frequencies.
+
+  Returns:
+    [B, T, N, d] in x's dtype.
+  """
+  # Angles in float32, then cast: the same order of operations as Hugging Face.
+  angles_BxTxh = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  angles_BxTxd = jnp.concatenate([angles_BxTxh, angles_BxTxh], axis=-1)
+  cos = jnp.cos(angles_BxTxd)[:, :, None, :].astype(x_BxTxNxd.dtype)
+  sin = jnp.sin(angles_BxTxd)[:, :, None, :].astype(x_BxTxNxd.dtype)
+  x1, x2 = jnp.split(x_BxTxNxd, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BxTxNxd * cos + rotated * sin
+
+
+class AttentionOptions(NamedTuple):
+  """What differs between the attention of one layer and another's."""
+
+  window: int | None  # sliding window W (None: global)
+  scale: float | None  # score scale (None: 1 / sqrt(d))
+  softcap: float | None  # scores -> c·tanh(scores / c) (None: off)
+
+
+def attention_options(config, layer):
+  """The AttentionOptions of layer `layer` of `config`."""
+  return AttentionOptions(config.window(layer), config.attn_scale, config.attn_softcap)
+
+
+def attention_scores(scores, d, scale=None, softcap=None):
+  """float32 scores q·k scaled (1/sqrt(d) or `scale`) and soft-capped.
+
+  Shared by the dense and the paged attention, so the sampler and the
+  trainer compute the very same numbers.
+  """
+  scores = scores.astype(jnp.float32)
+  if scale is None:
+    scores = scores / np.sqrt(d).astype(np.float32)
+  else:
+    scores = scores * np.float32(scale)
+  if softcap is not None:
+    scores = np.float32(softcap) * jnp.tanh(scores / np.float32(softcap))
+  return scores
+
+
+def dot_attention(q_BxTxHxd, k_BxSxKxd, v_BxSxKxd, allowed_BxTxS, *, scale=None, softcap=None):
+  """Softmax attention with grouped kv heads and a boolean visibility mask.
+
+  Query head h reads kv head h // (H / K). Scores and softmax are float32;
+  `scale` (default 1 / sqrt(d)) and `softcap` as in `attention_scores`.
+  A query with no visible key gets a uniform average (finite), never NaN.
+
+  Returns:
+    [B, T, H, d] in v's dtype.
+  """
+  b, t, h, d = q_BxTxHxd.shape
+  k = k_BxSxKxd.shape[2]
+  q_BxTxKxGxd = q_BxTxHxd.reshape(b, t, k, h // k, d)
+  # float32 scores from compute-dtype operands; compute-dtype matmuls backwards.
+  scores = precision.einsum_f32('btkgd,bskd->bkgts', q_BxTxKxGxd, k_BxSxKxd)
+  scores = attention_scores(scores, d, scale, softcap)
+  scores = jnp.where(allowed_BxTxS[:, None, None, :, :], scores, NEG_INF)
+  # Softmax in float32.
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxd.dtype)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxd)
+  return out.reshape(b, t, h, d)
+
+
+def within_window(q_pos, k_pos, window):
+  """Key position k_pos is inside the sliding window of query position q_pos
+  (q_pos − k_pos < W; Hugging Face's convention). True everywhere when
+  `window` is None. Broadcasts."""
+  if window is None:
+    return jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), bool)
+  return q_pos - k_pos < window
+
+
+def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=None):
+  """Dense causal attention for full sequences: key s is visible to query t iff
+  s ≤ t and (mask[s] or s = t); left or right padding both work.
+
+  With `segment_ids` (packed rows: 1, 2, ... per sequence, 0 on padding) key s
+  is visible to query t iff s ≤ t and segment[s] = segment[t] > 0 (or s = t),
+  so no token attends across a sequence boundary.
+
+  With `config`, each layer also applies its sliding window (on `positions`,
+  which default to `positions_from_mask(mask)`; per-segment positions for
+  packed rows), score scale and soft-cap.
+  """
+  mask_BxT = mask_BxT.astype(bool)
+  t = mask_BxT.shape[1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  visible_BxTxS = mask_BxT[:, None, :]
+  if segment_ids_BxT is not None:
+    seg = jnp.asarray(segment_ids_BxT)
+    visible_BxTxS = visible_BxTxS & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+  # Every query also sees itself, so a padding query (which has no real key
+  # before it) stays causal instead of averaging over every key.
+  allowed_BxTxT = causal_TxT[None] & (visible_BxTxS | jnp.eye(t, dtype=bool)[None])
+  if config is None:
+
+    def attend(layer, q, k, v, cache):
+      del layer
+      return dot_attention(q, k, v, allowed_BxTxT), cache
+
+    return attend
+
+  if positions_BxT is None:
+    positions_BxT = positions_from_mask(mask_BxT)
+  windowed = {}
+  for w in {config.window(i) for i in range(config.num_layers)} - {None}:
+    inside = within_window(positions_BxT[:, :, None], positions_BxT[:, None, :], w)
+    windowed[w] = allowed_BxTxT & (inside | jnp.eye(t, dtype=bool)[None])
+
+  def attend_layer(layer, q, k, v, cache):
+    opts = attention_options(config, layer)
+    allowed = allowed_BxTxT if opts.window is None else windowed[opts.window]
+    return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap), cache
+
+  return attend_layer
+
+
+def positions_from_mask(mask_BxT):
+  """Positions that start at 0 on each row's first real token (left padding)."""
+  mask = mask_BxT.astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+
+
+def positions_from_segments(segment_ids_BxT):
+  """Positions that restart at 0 where each segment of a packed row begins
+  (0 on padding). Segments are contiguous runs of one id."""
+  seg = jnp.asarray(segment_ids_BxT)
+  t = seg.shape[1]
+  col_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
+  starts_BxT = segment_starts(seg)
+  first_BxT = jax.lax.cummax(jnp.where(starts_BxT, col_BxT, 0), axis=1)
+  return jnp.where(seg > 0, col_BxT - first_BxT, 0).astype(jnp.int32)
+
+
+def segment_starts(segment_ids_BxT):
+  """[B, T] bool: the first token of each segment (not on padding)."""
+  seg = jnp.asarray(segment_ids_BxT)
+  before = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  return (seg != before) & (seg > 0)
