@@ -209,12 +209,15 @@ def sequence_lengths(mask_BxT):
 
 
 def row_count(needed, multiple=1, most=None):
-  """Static row count for `needed` rows: a power of two times `multiple` (so
-  a run compiles a few shapes and the rows split over the batch shards), at
-  most `most` rounded up to `multiple`."""
-  r = multiple
-  while r < needed:
-    r *= 2
+  """Static row count for `needed` rows: `multiple` times 1, 2, 3, 4, 6, 8,
+  12, 16, ... (powers of two and 1.5 times them: a run compiles a few shapes,
+  at most a third of the rows are empty, and the rows split over the batch
+  shards), at most `most` rounded up to `multiple`."""
+  k = 1
+  while k * multiple < needed:
+    # The next of 1, 2, 3, 4, 6, 8, 12, ...: 2^p -> 3·2^(p-1) -> 2^(p+1).
+    k = k + 1 if k < 2 else k // 2 * 3 if k & (k - 1) == 0 else k // 3 * 4
+  r = k * multiple
   if most is not None:
     r = min(r, -(-max(most, needed) // multiple) * multiple)
   return max(r, multiple)

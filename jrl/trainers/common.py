@@ -142,9 +142,9 @@ def with_packed(batch, packer):
 
 class Packer:
   """Packs right-padded minibatches for the model (`rl.packing`): rows of
-  `row_len` tokens, a power-of-two row count that is a multiple of the batch
-  shards, placed with `sharding`; `last` keeps the padded and packed token
-  efficiency of the last batch packed."""
+  `row_len` tokens, a row count from a few sizes (`packing.row_count`) that
+  is a multiple of the batch shards, placed with `sharding`; `last` keeps
+  the padded and packed token efficiency of the last batch packed."""
 
   def __init__(self, row_len, sharding):
     self.row_len = int(row_len)

@@ -264,9 +264,12 @@ def test_reward_model_scores_and_loss_are_the_same_packed_and_padded():
   assert_same_loss_and_grads(loss_fn, params, batch, batch._replace(packed=packed))
 
 
-def test_row_count_is_a_power_of_two_times_the_shards_and_never_above_the_batch():
-  assert [packing.row_count(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+def test_row_count_is_a_few_sizes_times_the_shards_and_never_above_the_batch():
+  counts = [packing.row_count(n) for n in range(1, 50)]
+  assert sorted(set(counts)) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+  assert all(n <= c <= max(1, 3 * n // 2) for n, c in zip(range(1, 50), counts, strict=True))
   assert packing.row_count(3, multiple=2) == 4
+  assert packing.row_count(5, multiple=2) == 6
   assert packing.row_count(5, multiple=2, most=6) == 6
   assert packing.row_count(7, most=6) == 7  # never fewer rows than needed
   tokens, mask, _ = make_batch([5, 5, 5, 5, 5, 5], [1] * 6, 24)
