@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 
-def activation(name, x):
+def mlp_activation(name, x):
   """The MLP activation: 'gelu_tanh' (Gemma) or SiLU."""
   if name == 'gelu_tanh':
     return jax.nn.gelu(x, approximate=True)
@@ -40,7 +40,7 @@ def experts_dense(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_Ex
   n = x_NxD.shape[0]
   combine_NxE = jnp.zeros((n, e), weights_NxK.dtype)
   combine_NxE = combine_NxE.at[jnp.arange(n)[:, None], experts_NxK].add(weights_NxK)
-  h_ExNxF = activation(activation, jnp.einsum('nd,edf->enf', x_NxD, gate_ExDxF))
+  h_ExNxF = mlp_activation(activation, jnp.einsum('nd,edf->enf', x_NxD, gate_ExDxF))
   h_ExNxF = h_ExNxF * jnp.einsum('nd,edf->enf', x_NxD, up_ExDxF)
   y_ExNxD = jnp.einsum('enf,efd->end', h_ExNxF, down_ExFxD)
   return jnp.einsum('end,ne->nd', y_ExNxD, combine_NxE.astype(y_ExNxD.dtype))
@@ -58,7 +58,7 @@ def experts_ragged(x_NxD, weights_NxK, experts_NxK, gate_ExDxF, up_ExDxF, down_E
   token_M = order_M // k
   group_sizes_E = jnp.bincount(flat_M, length=e).astype(jnp.int32)
   x_MxD = jnp.take(x_NxD, token_M, axis=0)
-  h_MxF = activation(activation, jax.lax.ragged_dot(x_MxD, gate_ExDxF, group_sizes_E))
+  h_MxF = mlp_activation(activation, jax.lax.ragged_dot(x_MxD, gate_ExDxF, group_sizes_E))
   h_MxF = h_MxF * jax.lax.ragged_dot(x_MxD, up_ExDxF, group_sizes_E)
   y_MxD = jax.lax.ragged_dot(h_MxF, down_ExFxD, group_sizes_E)
   w_M = jnp.take(weights_NxK.reshape(-1), order_M).astype(y_MxD.dtype)

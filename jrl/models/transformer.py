@@ -70,9 +70,9 @@ from jrl.models.attention import (
 from jrl.models.config import ModelConfig, rope_inv_freq
 from jrl.models.logical_axes import head_units, param_logical_axes
 from jrl.models.moe import (
-  activation,
   experts_dense,
   experts_ragged,
+  mlp_activation,
   route,
   router_load_balancing_loss,
 )
@@ -207,7 +207,7 @@ class MLP(nnx.Module):
     self.activation = config.activation
 
   def __call__(self, x):
-    return self.down(activation(self.activation, self.gate(x)) * self.up(x))
+    return self.down(mlp_activation(self.activation, self.gate(x)) * self.up(x))
 
 
 class MoE(nnx.Module):
