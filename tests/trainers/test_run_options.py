@@ -53,9 +53,9 @@ def test_eval_at_start_off_skips_only_the_first_evaluation(tmp_path):
 
 def test_a_restarted_run_loads_its_compiled_programs_from_the_workdir(tmp_path):
   """`launch/train.py` keeps compiled programs in WORKDIR/xla_cache: the
-  first run fills it, the first restart adds only what resuming needs (the
-  check of the restored state), and a second restart (one more iteration
-  each time) finds every program it needs there."""
+  first run fills it, and the restart (one more iteration) adds only what
+  resuming needs (the finiteness check of the restored state): every
+  program of the first run is found there."""
   fields = {**SHRINK, **QUIET, 'sft.steps': 0, 'workdir': str(tmp_path / 'run')}
   flags = [f'--config.{key}={value}' for key, value in fields.items()]
   cache = tmp_path / 'run' / 'xla_cache'
@@ -72,6 +72,5 @@ def test_a_restarted_run_loads_its_compiled_programs_from_the_workdir(tmp_path):
 
   first = train(1)
   assert len(first) > 10  # the programs of the first run
-  resumed = train(2)
-  assert first < resumed and len(resumed - first) <= 2, resumed - first
-  assert train(3) == resumed  # nothing new compiled by the second restart
+  new = train(2) - first
+  assert len(new) <= 1 and all('finite' in name for name in new), new
