@@ -131,6 +131,10 @@ def base():
   # same losses and gradients as the padded rows, fewer tokens through the model.
   c.rl.packing = False
   c.rl.pack_row_len = 0
+  # With packing: split each minibatch's packed rows into micro-batches of at most
+  # this many tokens per batch shard (gradients summed, one optimiser step; the
+  # same result as the whole minibatch at once). 0: the minibatch in one pass.
+  c.rl.micro_batch_tokens = 0
   c.rl.advantage = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
   c.rl.adv_scale = 'group'  # grpo: 'group' | 'batch' | 'none'
   c.rl.adv_std = 'unbiased'  # grpo: 'unbiased' | 'biased'

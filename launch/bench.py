@@ -829,6 +829,9 @@ def bench_costmodel(args):
       steps_per_dispatch=config.sampler.steps_per_dispatch,
       param_bytes=4,
       compute_bytes=4,
+      packing=bool(rl.packing),
+      pack_row_len=rl.pack_row_len if rl.packing else 0,
+      micro_batch_tokens=rl.get('micro_batch_tokens', 0) if rl.packing else 0,
     )
     layout = costmodel.Layout(topology=config.topology.kind)
     measured = {
@@ -1028,6 +1031,42 @@ def bench_update(args):
       flush=True,
     )
   print(f'  packed / padded time: x{seconds["packed"] / seconds["padded"]:.2f}')
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
+  print(f'  packed: XLA temporaries of the step {temp(compiled):.0f} MiB')
+  if args.micro_tokens:
+    bench_micro_batches(args, state, batch, tokens, mask, graphdef, tx, schedule, real, flops, peak)
+
+
+def bench_micro_batches(
+  args, state, batch, tokens, mask, graphdef, tx, schedule, real, flops, peak
+):
+  """The packed update split into micro-batches of `--micro_tokens` tokens
+  (`rl.micro_batch_tokens`): gradients summed, one update; time and the
+  largest micro-batch's XLA temporaries."""
+  from jrl.data import packing
+  from jrl.trainers import common, policy_step
+
+  row_len = args.row_len or args.max_len
+  hosts = packing.micro_batches(tokens, mask, row_len, args.micro_tokens)
+  parts = [packing.PackedInputs(*map(jnp.asarray, h)) for h in hosts]
+  cfg = policy_step.PolicyLossConfig(chunk_size=1024)
+  grads = jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, cfg=cfg))
+  apply = jax.jit(functools.partial(policy_step.apply_update, tx=tx, schedule=schedule))
+  step = common.MicroBatchedStep(
+    grads, apply, policy_step.ADDITIVE_METRICS, policy_step.TOKEN_SHARE
+  )
+  data = batch._replace(packed=parts)
+  temps = [
+    grads.lower(state, batch._replace(packed=p)).compile().memory_analysis().temp_size_in_bytes
+    for p in parts
+  ]
+  sec = _median_seconds(lambda s, d: step(s, d)[0], (state, data), args.repeats)
+  print(
+    f'  micro   {1e3 * sec:9.1f} ms/step  {real / sec:8.0f} real tokens/s  MFU (real '
+    f'tokens) {100 * flops / sec / peak:5.1f}%  ({len(parts)} micro-batches of at most '
+    f'{args.micro_tokens} tokens: rows {[p.tokens.shape[0] for p in parts]}; XLA temporaries '
+    f'of the largest {max(temps) / 2**20:.0f} MiB)'
+  )
 
 
 def main(argv=None):
@@ -1086,6 +1125,9 @@ def main(argv=None):
   p.add_argument('--mean_frac', type=float, default=0.25, help='mean length / max_len')
   p.add_argument('--min_len', type=int, default=16, help='shortest sequence (e.g. the prompt)')
   p.add_argument('--row_len', type=int, default=0, help='packed row length (0: max_len)')
+  p.add_argument(
+    '--micro_tokens', type=int, default=0, help='also time micro-batches of this many tokens'
+  )
   p.add_argument('--remat', default='full')
   p.add_argument('--repeats', type=int, default=3)
   p = sub.add_parser('topology', help='colocated vs one-step-off step time')

@@ -6,13 +6,17 @@ micro-batch, ranked by estimated step time, and why the others lose.
 
     python launch/plan.py --model /path/to/hf_dir --hardware tpu-v5e --chips 64 ...
     python launch/plan.py --model qwen2.5-0.5b --hardware this --calibration runs/x/trace.json ...
+    python launch/plan.py ... --packing --pack_row_len 8192   # as rl.packing, rl.pack_row_len
 
 Every layout (colocated, disaggregated and one-step-off on separate chips
 with each power-of-two rollout share, each tensor degree up to a node, the
 largest micro-batch that fits) is checked against the chip's memory and
 timed with `jrl.costmodel` (roofline of the hardware preset with its
 assumed utilisation, or coefficients calibrated from a trace of a run on
-this machine). Cost is chip-seconds per step: chips x step time.
+this machine). Cost is chip-seconds per step: chips x step time. The
+training passes cost the tokens they run: padded rows, or with `--packing`
+rows packed as the trainer packs them; the report gives the real tokens, the
+tokens run and the packing efficiency of one pass over a step's batch.
 """
 
 import argparse
@@ -181,6 +185,7 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     f'{workload.response_max}, {workload.epochs} epoch(s), minibatch {minibatch} rows',
     file=out,
   )
+  print(tokens_line(ok[0]['times'] if ok else None, workload), file=out)
   if not ok:
     print('no layout fits:', file=out)
     for b in bad[:top]:
@@ -231,6 +236,25 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
   return ok, bad
 
 
+def tokens_line(times, workload):
+  """Real tokens, tokens run and packing efficiency of one pass over a step's
+  batch (the reference pass, the proximal pass, each update epoch), from the
+  best plan's `times` (or the workload on one batch shard)."""
+  if times is None:
+    tok = costmodel.tokens_run(workload)
+    real, run, eff = tok.real, tok.run, tok.efficiency
+  else:
+    real, run, eff = times['tokens_real'], times['tokens_run'], times['packing_efficiency']
+  w = workload
+  rows = f'packed rows of {w.row_len}' if w.packing else f'padded rows of {w.seq_len}'
+  if w.micro_batch_tokens:
+    rows += f', micro-batches of {w.micro_batch_tokens} tokens per shard'
+  return (
+    f'tokens per pass over a step: {real:,} real, {run:,} run ({rows}); '
+    f'packing efficiency {eff:.1%}'
+  )
+
+
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--model', required=True, help='preset name or HF checkpoint directory')
@@ -247,6 +271,11 @@ def parse_args(argv):
   parser.add_argument('--kl', action='store_true', help='a reference model runs every step')
   parser.add_argument('--slots', type=int, default=256, help='sampler slots per replica')
   parser.add_argument('--reward_s', type=float, default=1e-3, help='seconds per completion')
+  parser.add_argument('--packing', action='store_true', help='pack sequences (rl.packing)')
+  parser.add_argument('--pack_row_len', type=int, default=0, help='rl.pack_row_len (0: seq)')
+  parser.add_argument(
+    '--micro_batch_tokens', type=int, default=0, help='rl.micro_batch_tokens (0: off)'
+  )
   parser.add_argument('--calibration', default='', help='trace.json of a run on this machine')
   parser.add_argument('--top', type=int, default=8)
   opts = parser.parse_args(argv)
@@ -273,6 +302,9 @@ def main(argv=None):
     reward_s=opts.reward_s,
     param_bytes=4,
     compute_bytes=2,
+    packing=opts.packing,
+    pack_row_len=opts.pack_row_len,
+    micro_batch_tokens=opts.micro_batch_tokens,
   )
   coeffs = None
   if opts.calibration:

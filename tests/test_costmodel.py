@@ -7,6 +7,7 @@ generation simulator against the real sampler's dispatch count; traces of a
 real run against the trace-event JSON schema.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from jrl import costmodel, models, sampler, trace, trainers
+from jrl.data import packing
 from jrl.trainers.optim import make_optimizer
 from tests.helpers import QUIET, optim_config, shrunk_config
 
@@ -136,6 +138,165 @@ def test_calibration_from_a_run_trace(traced_run):
 def test_calibration_needs_decode_spans():
   with pytest.raises(ValueError, match='decode spans'):
     costmodel.calibrate({'traceEvents': [], 'otherData': {}}, costmodel.Workload(1, 2, 4, 4, 4))
+
+
+# Tokens run: padded and packed -------------------------------------------------------
+
+
+def test_tokens_run_padded_and_packed_by_hand():
+  # Four sequences of 4 prompt tokens + responses [12, 4, 8, 4] = [16, 8, 12, 8]
+  # tokens, 44 real, in rows of seq_len = 4 + 12 = 16.
+  w = costmodel.Workload(2, 2, 4, 7.0, 12, packing=True)
+  lengths = [12, 4, 8, 4]
+  padded = costmodel.tokens_run(dataclasses.replace(w, packing=False), lengths)
+  assert (padded.real, padded.run, padded.rows) == (44, 64, 4)
+  assert padded.efficiency == pytest.approx(44 / 64)
+  # First-fit-decreasing: [16], [12], [8, 8] -> 3 rows (row_count(3) = 3).
+  packed = costmodel.tokens_run(w, lengths)
+  assert (packed.real, packed.run, packed.rows, packed.row_len) == (44, 48, 3, 16)
+  assert packed.efficiency == pytest.approx(44 / 48)
+  # Two batch shards: the row count rounds up to 4 rows.
+  assert costmodel.tokens_run(w, lengths, shards=2).run == 64
+  # Rows of 32: [16, 12], [8, 8] -> 2 rows of 32.
+  wide = costmodel.tokens_run(dataclasses.replace(w, pack_row_len=32), lengths)
+  assert (wide.run, wide.rows, wide.row_len) == (64, 2, 32)
+  # Minibatches of 2 pack apart: [16] [8] and [12] [8] (12 + 8 > 16) -> 4 rows.
+  split = costmodel.tokens_run(dataclasses.replace(w, minibatch_rows=2), lengths)
+  assert (split.run, split.most_rows) == (64, 2)
+  # A budget of 32 tokens (2 rows) per micro-batch: [16] [12] and [8, 8] -> 2 + 1 rows.
+  micro = costmodel.tokens_run(dataclasses.replace(w, micro_batch_tokens=32), lengths)
+  assert (micro.run, micro.micro_batches) == (48, 2)
+  with pytest.raises(ValueError, match='3 response lengths for 4 rows'):
+    costmodel.tokens_run(w, lengths[:3])
+  with pytest.raises(ValueError, match='pack_row_len'):
+    dataclasses.replace(w, pack_row_len=8)
+  with pytest.raises(ValueError, match='needs `packing`'):
+    dataclasses.replace(w, packing=False, micro_batch_tokens=64)
+
+
+def _coeffs(**fields):
+  zero = dict.fromkeys(
+    ['decode_compute_s', 'decode_mem_s', 'decode_page_s', 'prefill_fixed_s', 'prefill_token_s',
+     'update_fixed_s', 'reshard_s'],
+    0.0,
+  )  # fmt: skip
+  base = dict(decode_fixed_s=0.01, forward_token_s=1e-6, train_token_s=3e-6, reward_s=1e-3)
+  return costmodel.Coefficients(**{**zero, **base, **fields})
+
+
+# 128 sequences of 64 prompt tokens and long-tailed responses (mean 100, 5% at
+# 960) in rows of 1,024: 20,990 real tokens. Padded: 128 rows. Packed: each
+# minibatch of 32 holds 4,680-5,758 tokens, 5 or 6 rows by first-fit-decreasing,
+# rounded to 6 by row_count -> 24 rows, 0.1875 of the padded tokens.
+LONG_TAIL = costmodel.Workload(
+  16, 8, 64, 100.0, 960, 0.05, epochs=2, minibatch_rows=32, reference=True, packing=True
+)
+
+
+@pytest.mark.parametrize('shards', [1, 2, 4])
+def test_tokens_run_packs_as_the_trainer_packs(shards):
+  lengths = LONG_TAIL.response_lengths()
+  mask = np.arange(LONG_TAIL.seq_len)[None, :] < (64 + np.asarray(lengths))[:, None]
+  tokens = np.where(mask, 5, 0).astype(np.int32)
+  rows = [
+    packing.pack_padded(tokens[k : k + 32], mask[k : k + 32], 1024, shards).tokens.shape[0]
+    for k in range(0, 128, 32)
+  ]
+  tok = costmodel.tokens_run(LONG_TAIL, shards=shards)
+  assert (tok.rows, tok.most_rows, tok.real) == (sum(rows), max(rows), int(mask.sum()))
+
+
+def test_packing_shortens_the_predicted_training_passes_by_the_token_ratio():
+  model, layout = tiny(), costmodel.Layout('one_step_off')
+  packed_w = LONG_TAIL
+  padded_w = dataclasses.replace(packed_w, packing=False)
+  packed = costmodel.predict(model, packed_w, layout, _coeffs())
+  padded = costmodel.predict(model, padded_w, layout, _coeffs())
+  assert padded['tokens_run'] == 128 * 1024 and padded['tokens_real'] == 20990
+  assert packed['tokens_run'] == 24 * 1024 and packed['tokens_real'] == 20990
+  assert padded['packing_efficiency'] == pytest.approx(20990 / 131072)
+  assert packed['packing_efficiency'] == pytest.approx(20990 / 24576)
+  for stage in ('reference', 'proximal', 'update'):
+    assert packed[stage] == pytest.approx(0.1875 * padded[stage]), stage
+  assert padded['update'] == pytest.approx(2 * 131072 * 3e-6)  # two epochs
+  assert packed['generate'] == padded['generate']
+  assert packed['step'] < padded['step']
+  # Micro-batches of 2,048 tokens: 5 bins -> 2 + 2 + 1 rows, 6 bins -> 2 + 2 + 2:
+  # 5 + 6 + 6 + 5 = 22 rows (row_count no longer rounds 5 bins up to 6 rows).
+  budget = dataclasses.replace(packed_w, micro_batch_tokens=2048)
+  micro = costmodel.predict(model, budget, layout, _coeffs())
+  assert micro['tokens_run'] == 22 * 1024
+  assert micro['update'] == pytest.approx(22 / 128 * padded['update'])
+
+
+def test_packed_activations_are_the_packed_micro_batch():
+  model, layout = tiny(), costmodel.Layout()
+  padded = costmodel.memory(model, dataclasses.replace(LONG_TAIL, packing=False), layout)
+  packed = costmodel.memory(model, LONG_TAIL, layout)
+  # 32 padded rows per minibatch against at most 6 packed rows, of 1,024 tokens each.
+  ratio = packed['train']['activations'] / padded['train']['activations']
+  assert ratio == pytest.approx(6 / 32)
+  budget = costmodel.memory(model, dataclasses.replace(LONG_TAIL, micro_batch_tokens=2048), layout)
+  assert budget['train']['activations'] / padded['train']['activations'] == pytest.approx(2 / 32)
+  # Half the minibatch per micro-batch: half the packed rows.
+  half = costmodel.memory(model, LONG_TAIL, dataclasses.replace(layout, micro_rows=16))
+  assert half['train']['activations'] / padded['train']['activations'] == pytest.approx(3 / 32)
+
+
+def _span(name, ts, dur_s, **args):
+  return {'name': name, 'ph': 'X', 'pid': 0, 'tid': 1, 'ts': ts, 'dur': dur_s * 1e6, 'args': args}
+
+
+def _synthetic_trace(rl, train_s, forward_s):
+  """A trace of three steps whose update and reference spans last `train_s`
+  and `forward_s`, with a config carrying `rl`'s fields."""
+  events = []
+  for i in range(3):
+    t = i * 1e7
+    events += [
+      _span('prefill', t, 0.01 + 0.001 * i, tokens=8 * (i + 1)),
+      _span('decode', t + 1e5, 0.04 * (1 + i), steps=4, max_pages=1 + i, active=16),
+      _span('reward', t + 2e6, 0.016),
+      _span('reference', t + 3e6, forward_s),
+      _span('update', t + 4e6, train_s),
+    ]
+  base = dict(
+    prompts_per_step=4, group_size=4, max_prompt_len=8, max_new_tokens=24, epochs=2,
+    minibatch_size=8, kl_coef=0.1,
+  )  # fmt: skip
+  sampler_config = dict(num_slots=16, page_size=8, steps_per_dispatch=4)
+  return {
+    'traceEvents': events,
+    'otherData': {'config': {'rl': {**base, **rl}, 'sampler': sampler_config}},
+  }
+
+
+def test_calibration_counts_the_tokens_the_traced_run_ran():
+  lengths = [24, 2, 3, 4, 2, 3, 4, 5, 2, 2, 3, 6, 4, 2, 24, 3]
+  seqs = [8 + n for n in lengths]  # seq_len 32; rows of 64 when packed
+  packed_cfg = {'packing': True, 'pack_row_len': 64}
+  w_packed = costmodel.workload_from_config(
+    _synthetic_trace(packed_cfg, 0, 0)['otherData']['config']
+  )
+  w_padded = costmodel.workload_from_config(_synthetic_trace({}, 0, 0)['otherData']['config'])
+  assert (w_packed.packing, w_packed.row_len, w_padded.packing, w_padded.row_len) == (
+    True, 64, False, 32,
+  )  # fmt: skip
+  # Minibatches of 8 sequences, by first-fit-decreasing into rows of 64:
+  # [32, 13, 12] [12, 11, 11, 10, 10] and [32, 14, 12] [11, 11, 10, 10, 10]: 4 rows,
+  # 256 tokens run against 16 x 32 = 512 padded.
+  run = {'packed': costmodel.tokens_run(w_packed, lengths).run, 'padded': 16 * 32}
+  assert run['packed'] == 256 and costmodel.tokens_run(w_packed, lengths).real == sum(seqs)
+  train_s, forward_s = 2e-6, 1e-6  # per token run, the truth of both traces
+  for src, cfg in (('packed', packed_cfg), ('padded', {})):
+    trace_dict = _synthetic_trace(cfg, 2 * run[src] * train_s, run[src] * forward_s)
+    coeffs = costmodel.calibrate(trace_dict, lengths=lengths)
+    assert coeffs.train_token_s == pytest.approx(train_s), src
+    assert coeffs.forward_token_s == pytest.approx(forward_s), src
+    for dst, w in (('packed', w_packed), ('padded', w_padded)):
+      pred = costmodel.predict(tiny(), w, costmodel.Layout(), coeffs, lengths=lengths)
+      assert pred['update'] == pytest.approx(2 * run[dst] * train_s), (src, dst)
+      assert pred['reference'] == pytest.approx(run[dst] * forward_s), (src, dst)
 
 
 # Memory against the real objects -------------------------------------------------------
@@ -328,3 +489,21 @@ def test_flops_per_token_counts_the_lm_head_and_attention():
   q = tied.num_heads * tied.head_dim
   extra = costmodel.flops_per_token(tied, 10) - costmodel.flops_per_token(tied, 0)
   assert extra == 4 * tied.num_layers * q * 10
+
+
+def test_plan_prints_real_tokens_tokens_run_and_packing_efficiency(capsys):
+  argv = ['--model', 'qwen2.5-0.5b', '--hardware', 'h100', '--chips', '1', '--prompts', '16',
+          '--prompt_len', '64', '--response_mean', '100', '--response_max', '960', '--slots', '64',
+          '--minibatch', '32', '--epochs', '2']  # fmt: skip
+  plan.main(argv)
+  out = capsys.readouterr().out
+  line = 'tokens per pass over a step: 20,990 real, 131,072 run (padded rows of 1024); '
+  assert line + 'packing efficiency 16.0%' in out
+  plan.main(argv + ['--packing'])
+  line = 'tokens per pass over a step: 20,990 real, 24,576 run (packed rows of 1024); '
+  assert line + 'packing efficiency 85.4%' in capsys.readouterr().out
+  plan.main(argv + ['--packing', '--micro_batch_tokens', '2048'])
+  line = 'tokens per pass over a step: 20,990 real, 22,528 run (packed rows of 1024, '
+  assert line + 'micro-batches of 2048 tokens per shard); packing efficiency 93.2%' in (
+    capsys.readouterr().out
+  )

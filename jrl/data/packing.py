@@ -180,13 +180,17 @@ def gather_index(layout, length, row_len):
 class PackedInputs(NamedTuple):
   """A right-padded [B, T] batch packed into R rows of L tokens for the model,
   with the map back: `unpack_on_device(v_RxL, index, valid)` is the [B, T]
-  layout (0 off each sequence), so a loss computed there is unchanged."""
+  layout (0 off each sequence), so a loss computed there is unchanged.
+
+  A micro-batch (`micro_batches`) holds some of the B sequences: `select`
+  says which, and the others have no valid column (they unpack to 0)."""
 
   tokens: np.ndarray  # [R, L] int32
   segment_ids: np.ndarray  # [R, L] int32, 1, 2, ... per sequence in a row; 0 padding
   positions: np.ndarray  # [R, L] int32, 0 at each sequence's first token
   index: np.ndarray  # [B, T] int32 into the flattened R·L
-  valid: np.ndarray  # [B, T] bool, the columns of each sequence
+  valid: np.ndarray  # [B, T] bool, the columns of each sequence held here
+  select: np.ndarray  # [B] bool, the sequences these rows hold
 
 
 def sequence_lengths(mask_BxT):
@@ -223,6 +227,25 @@ def row_count(needed, multiple=1, most=None):
   return max(r, multiple)
 
 
+def _inputs(tokens_BxT, n_B, bins, row_len, rows):
+  """PackedInputs of the sequences in `bins` (one list of indices per row),
+  padded to `rows` rows; the other sequences are not selected."""
+  tokens = np.asarray(tokens_BxT)
+  b, t = tokens.shape
+  bins = list(bins) + [[] for _ in range(rows - len(bins))]
+  held = sorted(i for row in bins for i in row)
+  select = np.zeros(b, bool)
+  select[held] = True
+  # A sequence not held here is placed with no tokens: it unpacks to nothing.
+  seqs = [tokens[i, : n_B[i]].tolist() if select[i] else [] for i in range(b)]
+  bins = [row + ([] if r else [i for i in range(b) if not select[i]]) for r, row in enumerate(bins)]
+  packed = pack(seqs, [[] for _ in range(b)], bins, row_len)
+  index, valid = gather_index(packed.layout, t, row_len)
+  return PackedInputs(
+    packed.tokens, packed.segment_ids, packed.positions, index, valid & select[:, None], select
+  )
+
+
 def pack_padded(tokens_BxT, mask_BxT, row_len, multiple=1):
   """Packs the sequences of a right-padded batch (sequence b is
   tokens[b, :n_b], n_b = mask[b].sum()) into rows of `row_len` tokens by
@@ -235,18 +258,48 @@ def pack_padded(tokens_BxT, mask_BxT, row_len, multiple=1):
     multiple: the row count is a multiple of this (the batch shards).
 
   Returns:
-    PackedInputs (NumPy).
+    PackedInputs (NumPy), every sequence selected.
   """
-  tokens = np.asarray(tokens_BxT)
-  b, t = tokens.shape
   n_B = sequence_lengths(mask_BxT)
   bins = first_fit_decreasing(n_B, row_len)
-  r = row_count(len(bins), multiple, most=b)
-  bins = bins + [[] for _ in range(r - len(bins))]
-  seqs = [tokens[i, : n_B[i]].tolist() for i in range(b)]
-  packed = pack(seqs, [[] for _ in range(b)], bins, row_len)
-  index, valid = gather_index(packed.layout, t, row_len)
-  return PackedInputs(packed.tokens, packed.segment_ids, packed.positions, index, valid)
+  r = row_count(len(bins), multiple, most=len(n_B))
+  return _inputs(tokens_BxT, n_B, bins, row_len, r)
+
+
+def micro_batches(tokens_BxT, mask_BxT, row_len, budget, multiple=1):
+  """The batch packed as `pack_padded` does, its rows then split into
+  micro-batches of at most `budget` tokens per batch shard: each holds
+  `multiple · (budget // row_len)` consecutive rows of the first-fit-
+  decreasing packing (the last one fewer, its row count from `row_count`).
+
+  Every sequence is in exactly one micro-batch; the split depends only on
+  the lengths (deterministic), and a loss summed over the micro-batches
+  with the whole batch's normaliser is the whole batch's loss.
+
+  Args:
+    budget: tokens per micro-batch and batch shard, ≥ `row_len`.
+
+  Returns:
+    list of PackedInputs (NumPy), each with its `select`.
+  """
+  n_B = sequence_lengths(mask_BxT)
+  bins = first_fit_decreasing(n_B, row_len)
+  out, k = [], 0
+  for held, rows in micro_batch_rows(len(bins), row_len, budget, multiple):
+    out.append(_inputs(tokens_BxT, n_B, bins[k : k + held], row_len, rows))
+    k += held
+  return out
+
+
+def micro_batch_rows(n_rows, row_len, budget, multiple=1):
+  """The split of `n_rows` packed rows into micro-batches of at most
+  `budget` tokens per batch shard: [(rows held, rows run)] in order, rows
+  run from `row_count` (a multiple of `multiple`)."""
+  if budget < row_len:
+    raise ValueError(f'the micro-batch token budget {budget} is less than a row ({row_len}).')
+  per = multiple * (budget // row_len)
+  held = [min(per, n_rows - k) for k in range(0, n_rows, per)]
+  return [(n, row_count(n, multiple, most=per)) for n in held]
 
 
 def unpack_on_device(values_RxL, index_BxT, valid_BxT, fill=0):
@@ -260,6 +313,10 @@ def unpack_on_device(values_RxL, index_BxT, valid_BxT, fill=0):
 
 
 def efficiency(mask_BxT, packed):
-  """Real tokens / tokens the model runs on, padded and packed: (padded, packed)."""
+  """Real tokens / tokens the model runs on, padded and packed: (padded, packed).
+
+  `packed`: the PackedInputs of the batch, or a list of its micro-batches."""
+  parts = packed if isinstance(packed, list) else [packed]
   real = float(np.asarray(mask_BxT).sum())
-  return real / np.asarray(mask_BxT).size, real / np.asarray(packed.tokens).size
+  run = sum(np.asarray(p.tokens).size for p in parts)
+  return real / np.asarray(mask_BxT).size, real / run

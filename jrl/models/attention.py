@@ -5,9 +5,10 @@ Rotary embeddings (`apply_rope`), each layer's window / scale / soft-cap
 attention under a boolean mask with grouped kv heads (`dot_attention`), and
 the causal mask of training rows, padded or packed (`causal_attention`:
 with `segment_ids` no token attends across a sequence boundary; positions
-restart with `positions_from_segments`). The paged attention of the sampler
-(`jrl/sampler/attention.py`) reuses the scores and the options, so trainer
-and sampler compute the same numbers.
+restart with `positions_from_segments`; `implementation` picks the XLA,
+cuDNN or splash kernel, see `jrl.models.attention_kernels`). The paged
+attention of the sampler (`jrl/sampler/attention.py`) reuses the scores and
+the options, so trainer and sampler compute the same numbers.
 
 Shapes: B batch, T queries, S keys, H query heads, K kv heads, d head width.
 """
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import precision
+from jrl.models import attention_kernels
 
 NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
 
@@ -105,7 +107,12 @@ def within_window(q_pos, k_pos, window):
   return q_pos - k_pos < window
 
 
-def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=None):
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'splash')
+
+
+def causal_attention(
+  mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=None, *, implementation='auto'
+):
   """Dense causal attention for full sequences: key s is visible to query t iff
   s ≤ t and (mask[s] or s = t); left or right padding both work.
 
@@ -116,7 +123,19 @@ def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=
   With `config`, each layer also applies its sliding window (on `positions`,
   which default to `positions_from_mask(mask)`; per-segment positions for
   packed rows), score scale and soft-cap.
+
+  `implementation` picks the kernel (`jrl.models.attention_kernels`):
+  'xla' is `dot_attention` on the dense mask; 'cudnn' the same mask through
+  cuDNN flash attention (float16 / bfloat16, no soft-cap); 'splash' the
+  Pallas TPU kernel (interpret mode off TPU: slow, for tests), whose window
+  counts tokens by index — the same as by `positions` when these advance by
+  one per token within each sequence, as the defaults do. Real tokens get
+  the same outputs from all three; padding queries get finite values that
+  differ. 'auto' asks `attention_implementation` for `jax.default_backend()`,
+  layer by layer at trace time ('xla' on CPU).
   """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f'`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}.')
   mask_BxT = mask_BxT.astype(bool)
   t = mask_BxT.shape[1]
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
@@ -127,11 +146,37 @@ def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=
   # Every query also sees itself, so a padding query (which has no real key
   # before it) stays causal instead of averaging over every key.
   allowed_BxTxT = causal_TxT[None] & (visible_BxTxS | jnp.eye(t, dtype=bool)[None])
+
+  def attend_with(opts, allowed, q, k, v):
+    impl = implementation
+    if impl == 'auto':
+      impl = attention_kernels.auto_implementation(
+        dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, softcap=opts.softcap
+      )
+    if impl == 'xla':
+      return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap)
+    if impl == 'cudnn':
+      if opts.softcap is not None:
+        raise ValueError("implementation='cudnn' takes no attention soft-cap; use 'xla'.")
+      return attention_kernels.cudnn_attention(q, k, v, allowed, scale=opts.scale, is_causal=True)
+    # Splash reads the mask as segments: padding (and masked tokens) in segment 0.
+    seg_BxT = jnp.where(mask_BxT, 1 if segment_ids_BxT is None else segment_ids_BxT, 0)
+    return attention_kernels.splash_attention(
+      q,
+      k,
+      v,
+      seg_BxT,
+      window=opts.window,
+      scale=opts.scale,
+      softcap=opts.softcap,
+      interpret=jax.default_backend() != 'tpu',
+    )
+
   if config is None:
 
     def attend(layer, q, k, v, cache):
       del layer
-      return dot_attention(q, k, v, allowed_BxTxT), cache
+      return attend_with(AttentionOptions(None, None, None), allowed_BxTxT, q, k, v), cache
 
     return attend
 
@@ -145,7 +190,7 @@ def causal_attention(mask_BxT, positions_BxT=None, config=None, segment_ids_BxT=
   def attend_layer(layer, q, k, v, cache):
     opts = attention_options(config, layer)
     allowed = allowed_BxTxT if opts.window is None else windowed[opts.window]
-    return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap), cache
+    return attend_with(opts, allowed, q, k, v), cache
 
   return attend_layer
 

@@ -152,6 +152,7 @@ FIELDS = {
   'rl.dynamic_sampling_max_draws': count(0),
   'rl.chunk_size': count(1),
   'rl.pack_row_len': count(0),  # 0: max_prompt_len + max_new_tokens
+  'rl.micro_batch_tokens': count(0),  # 0: no token-budget micro-batches
   'optim.lr': positive(),
   'optim.warmup_steps': count(0),
   'optim.decay_steps': count(0),
@@ -348,6 +349,18 @@ def validate(config, batch_shards):
     'rl.pack_row_len',
     f'must be 0 or at least max_prompt_len + max_new_tokens = {seq_len} (a row holds '
     'the longest sequence).',
+  )
+  row_len = rl.pack_row_len or seq_len
+  need(
+    not rl.micro_batch_tokens or (rl.packing and rl.micro_batch_tokens >= row_len),
+    'rl.micro_batch_tokens',
+    f'must be 0, or with rl.packing on at least one packed row ({row_len} tokens).',
+  )
+  need(
+    not rl.micro_batch_tokens or config.algorithm in ('grpo', 'ppo', 'agent'),
+    'rl.micro_batch_tokens',
+    f'token-budget micro-batches run the online algorithms (grpo, ppo, agent), '
+    f'not {config.algorithm!r}.',
   )
   need(
     config.sft.batch_size % batch_shards == 0,

@@ -143,20 +143,37 @@ def with_packed(batch, packer):
 class Packer:
   """Packs right-padded minibatches for the model (`rl.packing`): rows of
   `row_len` tokens, a row count from a few sizes (`packing.row_count`) that
-  is a multiple of the batch shards, placed with `sharding`; `last` keeps
-  the padded and packed token efficiency of the last batch packed."""
+  is a multiple of the batch shards, placed with `sharding`.
 
-  def __init__(self, row_len, sharding):
+  With a token budget (`rl.micro_batch_tokens` per batch shard, 0: none)
+  `split` cuts a minibatch's packed rows into micro-batches of at most that
+  many tokens per shard (`packing.micro_batches`). `last` keeps the padded
+  and packed token efficiency of the last batch packed."""
+
+  def __init__(self, row_len, sharding, budget=0):
     self.row_len = int(row_len)
     self.sharding = sharding
     self.multiple = batch_shards(sharding)
+    self.budget = int(budget)
     self.last = (1.0, 1.0)
 
-  def __call__(self, tokens_BxT, mask_BxT):
-    """PackedInputs on the device from host [B, T] arrays."""
-    host = packing.pack_padded(tokens_BxT, mask_BxT, self.row_len, self.multiple)
-    self.last = packing.efficiency(mask_BxT, host)
+  def _place(self, host):
     return packing.PackedInputs(*(place_global(x, self.sharding) for x in host))
+
+  def __call__(self, tokens_BxT, mask_BxT):
+    """PackedInputs on the device from host [B, T] arrays: every sequence."""
+    host = packing.pack_padded(tokens_BxT, mask_BxT, self.row_len, self.multiple)
+    self.last = packing.efficiency(mask_BxT, [host])
+    return self._place(host)
+
+  def split(self, tokens_BxT, mask_BxT):
+    """A list of PackedInputs on the device: micro-batches of the token
+    budget when there is one, else the whole batch as one."""
+    if not self.budget:
+      return [self(tokens_BxT, mask_BxT)]
+    hosts = packing.micro_batches(tokens_BxT, mask_BxT, self.row_len, self.budget, self.multiple)
+    self.last = packing.efficiency(mask_BxT, hosts)
+    return [self._place(h) for h in hosts]
 
 
 def batch_shards(sharding):
@@ -179,7 +196,7 @@ def place_global(x, sharding):
 
 def make_packer(rl, seq_len, sharding):
   """A Packer when `rl.packing` is on (rows of `rl.pack_row_len` tokens, 0:
-  `seq_len`), else None."""
+  `seq_len`; micro-batches of `rl.micro_batch_tokens`), else None."""
   if not rl.packing:
     return None
   row_len = int(rl.pack_row_len) or int(seq_len)
@@ -188,17 +205,84 @@ def make_packer(rl, seq_len, sharding):
       f'`rl.pack_row_len` ({row_len}) must be at least the longest sequence, '
       f'max_prompt_len + max_new_tokens = {seq_len}.'
     )
-  return Packer(row_len, sharding)
+  budget = int(rl.get('micro_batch_tokens', 0))
+  if budget and budget < row_len:
+    raise ValueError(
+      f'`rl.micro_batch_tokens` ({budget}) must be 0 or at least a packed row, {row_len} tokens.'
+    )
+  return Packer(row_len, sharding, budget)
 
 
 def with_packer(fn, packer):
   """`fn(params, tokens, mask, packed)` as (params, tokens, mask) -> result,
-  on packed rows when `packer` is set (`make_packer`), else padded."""
+  on packed rows when `packer` is set (`make_packer`), else padded. With a
+  token budget the result is the sum over micro-batches: `fn` gives 0 at the
+  positions of sequences a micro-batch does not hold (as `token_logprobs`
+  does), so the sum is the whole batch's result."""
   if packer is None:
     return lambda params, tokens, mask: fn(params, tokens, mask)
-  return lambda params, tokens, mask: fn(
-    params, tokens, mask, packer(distributed.fetch(tokens), distributed.fetch(mask))
-  )
+
+  def run(params, tokens, mask):
+    parts = packer.split(distributed.fetch(tokens), distributed.fetch(mask))
+    out = fn(params, tokens, mask, parts[0])
+    for p in parts[1:]:
+      out = out + fn(params, tokens, mask, p)
+    return out
+
+  return run
+
+
+class MicroBatchedStep:
+  """One optimiser step over the micro-batches of a minibatch (`batch.packed`
+  a list of PackedInputs, from `Packer.split`): the losses and gradients of
+  the micro-batches are summed (each is its share of the minibatch's, see
+  `policy_step.policy_loss`), then one update is applied, so the result is
+  that of the whole minibatch at once (to float summation order).
+
+  Args:
+    loss_and_grads: jitted (state, batch) -> (loss, metrics, grads); loss
+      and grads may be pytrees (several models).
+    apply_update: jitted (state, grads, loss, metrics) -> (state, metrics).
+    additive: metric keys that add up over micro-batches; `share_key` (a
+      metric of each micro-batch, its share of the minibatch's tokens)
+      weighs the others, and keys with '_max' take the largest.
+  """
+
+  def __init__(self, loss_and_grads, apply_update, additive, share_key):
+    self.loss_and_grads = loss_and_grads
+    self.apply_update = apply_update
+    self.additive = tuple(additive)
+    self.share_key = share_key
+    self.add = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=(0,))
+
+  def __call__(self, state, batch):
+    grads, losses, parts = None, [], []
+    for packed in batch.packed:
+      loss, metrics, g = self.loss_and_grads(state, batch._replace(packed=packed))
+      grads = g if grads is None else self.add(grads, g)
+      losses.append(loss)
+      parts.append(metrics)
+    loss = losses[0]
+    for x in losses[1:]:
+      loss = jax.tree.map(jnp.add, loss, x)
+    state, metrics = self.apply_update(state, grads, loss, {})
+    return state, {**self.combine(jax.device_get(parts)), **metrics}
+
+  def combine(self, parts):
+    """One metrics dict from the micro-batches' (host values)."""
+    share = [float(p[self.share_key]) for p in parts]
+    out = {}
+    for k in parts[0]:
+      if k == self.share_key:
+        continue
+      v = [float(p[k]) for p in parts]
+      if k in self.additive:
+        out[k] = float(np.sum(v))
+      elif '_max' in k:
+        out[k] = float(np.max(v))
+      else:
+        out[k] = float(np.dot(share, v))
+    return out
 
 
 def minibatched(fn, params, batch, rows, sharding):

@@ -52,18 +52,34 @@ def logprobs_fn(config, graphdef, packer=None):
 
 def make_steps(config, res, tx, schedule, shardings, packer=None):
   rl = config.rl
-  rl_step = jax.jit(
-    functools.partial(
-      policy_step.train_step,
-      graphdef=res.model.graphdef,
-      tx=tx,
-      schedule=schedule,
-      cfg=policy_step.loss_config(rl),
-      accum=int(config.optim.grad_accum),
-    ),
-    donate_argnums=(0,),
-    out_shardings=shardings,
-  )
+  cfg = policy_step.loss_config(rl)
+  accum = int(config.optim.grad_accum)
+  graphdef = res.model.graphdef
+  if packer is not None and packer.budget:
+    # Micro-batches of a token budget: gradients summed, one update.
+    rl_step = common.MicroBatchedStep(
+      jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, cfg=cfg)),
+      jax.jit(
+        functools.partial(policy_step.apply_update, tx=tx, schedule=schedule, accum=accum),
+        donate_argnums=(0,),
+        out_shardings=shardings,
+      ),
+      policy_step.ADDITIVE_METRICS,
+      policy_step.TOKEN_SHARE,
+    )
+  else:
+    rl_step = jax.jit(
+      functools.partial(
+        policy_step.train_step,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        cfg=cfg,
+        accum=accum,
+      ),
+      donate_argnums=(0,),
+      out_shardings=shardings,
+    )
   advantages = jax.jit(
     functools.partial(
       policy_step.advantages, group_size=rl.group_size, cfg=policy_step.advantage_config(rl)

@@ -124,8 +124,9 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       idx = jnp.asarray(order)
       mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], sharding), full)
       if packer is not None:
-        mini = mini._replace(packed=packer(host_tokens[order], host_mask[order]))
-        efficiency.append(packer.last)
+        pack = packer.split if packer.budget else packer
+        mini = mini._replace(packed=pack(host_tokens[order], host_mask[order]))
+        efficiency.append((*packer.last, len(mini.packed) if packer.budget else 1))
       state, um = step(state, mini)
       results.append(um)
   results = jax.device_get(results)
@@ -133,6 +134,8 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   if efficiency:
     m['throughput/real_token_frac_padded'] = float(np.mean([e[0] for e in efficiency]))
     m['throughput/real_token_frac_packed'] = float(np.mean([e[1] for e in efficiency]))
+    if packer.budget:
+      m['throughput/micro_batches'] = float(np.mean([e[2] for e in efficiency]))
   # The first minibatch is scored before any update: the sampler/trainer gap.
   if 'actor/logp_diff_abs' in results[0]:
     m['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])

@@ -86,7 +86,14 @@ def policy_loss_args(cfg):
 
 
 def policy_loss(params, graphdef, batch, cfg):
-  """Scalar loss and metrics for one minibatch.
+  """Scalar loss and metrics for one minibatch, or for the micro-batch of it
+  that `batch.packed.select` holds.
+
+  A micro-batch's loss is its share of the minibatch's: its per-token terms
+  aggregated with the whole minibatch's normaliser (token count, sequence
+  count), so the losses and gradients of a minibatch's micro-batches sum to
+  the minibatch's. Its metrics are means over its own tokens, with
+  `token_share` (its response tokens / the minibatch's) to weigh them.
 
   Returns:
     (loss [], metrics dict of [] float32).
@@ -101,7 +108,17 @@ def policy_loss(params, graphdef, batch, cfg):
     chunk_size=cfg.chunk_size,
     with_entropy=True,
   )
-  m = batch.loss_mask
+  stop = jax.lax.stop_gradient
+  m_all = batch.loss_mask
+  if batch.packed is None:
+    held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
+  else:
+    # Sequences of other micro-batches: the behaviour logprobs stand in for
+    # theirs (ratio 1, every term finite), and their terms are zeroed.
+    held = batch.packed.select[:, None]
+    m = m_all & held
+    logp = jnp.where(held, logp, stop(batch.old_logp))
+    entropy = jnp.where(held, entropy, 0.0)
   pg, metrics = L.policy_loss_by_name(
     cfg.policy_loss, logp, batch.old_logp, batch.advantages, m, policy_loss_args(cfg)
   )
@@ -130,15 +147,24 @@ def policy_loss(params, graphdef, batch, cfg):
     total = total + cfg.kl_coef * kl
   if cfg.entropy_coef:
     total = total + cfg.entropy_coef * L.entropy_loss(entropy, m)
-  loss = L.aggregate_loss(total, m, cfg.loss_agg, loss_norm=cfg.loss_norm)
-  stop = jax.lax.stop_gradient
+  own = lambda x: jnp.where(held, x, 0.0)
+  loss = L.aggregate_loss(own(total), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm)
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
-  metrics['actor/pg_loss'] = L.aggregate_loss(stop(pg), m, cfg.loss_agg, loss_norm=cfg.loss_norm)
+  metrics['actor/pg_loss'] = L.aggregate_loss(
+    own(stop(pg)), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm
+  )
   metrics['actor/kl_ref'] = L.token_mean(stop(kl), m)
   metrics['actor/entropy'] = L.token_mean(stop(entropy), m)
   # Before any update this is the sampler-vs-trainer logprob difference.
   metrics['actor/logp_diff_abs'] = L.token_mean(stop(jnp.abs(logp - batch.old_logp)), m)
+  metrics[TOKEN_SHARE] = jnp.sum(m) / jnp.maximum(jnp.sum(m_all), 1)
   return loss, metrics
+
+
+# Keys of the metrics that micro-batches add up (shares of the minibatch's
+# value); `token_share` weighs the others, and maxima take the largest.
+TOKEN_SHARE = 'token_share'
+ADDITIVE_METRICS = ('actor/loss', 'actor/pg_loss')
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, cfg, accum=1):
@@ -155,12 +181,25 @@ def train_step(state, batch, *, graphdef, tx, schedule, cfg, accum=1):
   Returns:
     (state, metrics).
   """
+  loss, metrics, grads = loss_and_grads(state, batch, graphdef=graphdef, cfg=cfg)
+  del metrics[TOKEN_SHARE]
+  return apply_update(state, grads, loss, metrics, tx=tx, schedule=schedule, accum=accum)
+
+
+def loss_and_grads(state, batch, *, graphdef, cfg):
+  """(loss [], metrics, grads) of `policy_loss` at `state.params` on one
+  (micro-)batch."""
   (loss, metrics), grads = jax.value_and_grad(policy_loss, has_aux=True)(
     state.params, graphdef, batch, cfg
   )
-  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule, accum=accum)
   metrics['actor/loss'] = loss
-  metrics.update({f'actor/{k}': v for k, v in opt_metrics.items()})
+  return loss, metrics, grads
+
+
+def apply_update(state, grads, loss, metrics, *, tx, schedule, accum=1):
+  """The optimiser update of a minibatch's (summed) gradients and loss."""
+  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule, accum=accum)
+  metrics = dict(metrics, **{f'actor/{k}': v for k, v in opt_metrics.items()})
   return state, metrics
 
 

@@ -58,12 +58,59 @@ def critic_values(graphdef, params, tokens, mask, packed=None):
 
 
 def value_loss_fn(params, graphdef, batch, value_clip):
+  """Token-mean value loss of a minibatch, or the share of it that the
+  micro-batch `batch.packed.select` holds (as `policy_step.policy_loss`)."""
   v = critic_values(graphdef, params, batch.tokens, batch.mask, batch.packed)
+  m_all = batch.loss_mask
+  if batch.packed is None:
+    held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
+  else:
+    held = batch.packed.select[:, None]
+    m = m_all & held
+    v = jnp.where(held, v, jax.lax.stop_gradient(batch.old_values))
   per_token, metrics = L.value_loss(
-    v, batch.old_values, batch.returns, batch.loss_mask, clip_eps=value_clip or None
+    v, batch.old_values, batch.returns, m, clip_eps=value_clip or None
   )
-  loss = L.token_mean(per_token, batch.loss_mask)
+  loss = L.token_mean(jnp.where(held, per_token, 0.0), m_all)
   return loss, {f'critic/{k}': v for k, v in metrics.items()}
+
+
+ADDITIVE_METRICS = policy_step.ADDITIVE_METRICS + ('critic/vf_loss',)
+
+
+def loss_and_grads(state, batch, *, graphdef, critic_graphdef, cfg, value_clip):
+  """((policy loss, value loss), metrics, (policy grads, critic grads)) of
+  one (micro-)batch."""
+  pbatch = policy_step.PolicyBatch(
+    batch.tokens,
+    batch.mask,
+    batch.loss_mask,
+    batch.old_logp,
+    batch.ref_logp,
+    batch.advantages,
+    packed=batch.packed,
+  )
+  loss, metrics, grads = policy_step.loss_and_grads(state, pbatch, graphdef=graphdef, cfg=cfg)
+  (vloss, vmetrics), vgrads = jax.value_and_grad(value_loss_fn, has_aux=True)(
+    state.extra['critic'].params, critic_graphdef, batch, value_clip
+  )
+  metrics.update(vmetrics)
+  metrics['critic/vf_loss'] = vloss
+  return (loss, vloss), metrics, (grads, vgrads)
+
+
+def apply_update(state, grads, losses, metrics, *, tx, schedule, critic_tx, critic_schedule):
+  """The policy's and the critic's updates; a non-finite loss or gradient
+  skips that model's update."""
+  (loss, vloss), (grads, vgrads) = losses, grads
+  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule)
+  critic, copt = common.apply_gradients(
+    state.extra['critic'], vgrads, vloss, critic_tx, critic_schedule
+  )
+  metrics = dict(metrics)
+  metrics.update({f'actor/{k}': v for k, v in opt_metrics.items()})
+  metrics.update({f'critic/{k}': v for k, v in copt.items()})
+  return state._replace(extra={**state.extra, 'critic': critic}), metrics
 
 
 def train_step(
@@ -84,31 +131,20 @@ def train_step(
   Returns:
     (state, metrics); a non-finite loss or gradient skips that model's update.
   """
-  pbatch = policy_step.PolicyBatch(
-    batch.tokens,
-    batch.mask,
-    batch.loss_mask,
-    batch.old_logp,
-    batch.ref_logp,
-    batch.advantages,
-    packed=batch.packed,
+  losses, metrics, grads = loss_and_grads(
+    state, batch, graphdef=graphdef, critic_graphdef=critic_graphdef, cfg=cfg, value_clip=value_clip
   )
-  (loss, metrics), grads = jax.value_and_grad(policy_step.policy_loss, has_aux=True)(
-    state.params, graphdef, pbatch, cfg
+  del metrics[policy_step.TOKEN_SHARE]
+  return apply_update(
+    state,
+    grads,
+    losses,
+    metrics,
+    tx=tx,
+    schedule=schedule,
+    critic_tx=critic_tx,
+    critic_schedule=critic_schedule,
   )
-  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule)
-  metrics['actor/loss'] = loss
-  metrics.update({f'actor/{k}': v for k, v in opt_metrics.items()})
-
-  critic = state.extra['critic']
-  (vloss, vmetrics), vgrads = jax.value_and_grad(value_loss_fn, has_aux=True)(
-    critic.params, critic_graphdef, batch, value_clip
-  )
-  critic, copt = common.apply_gradients(critic, vgrads, vloss, critic_tx, critic_schedule)
-  metrics.update(vmetrics)
-  metrics['critic/vf_loss'] = vloss
-  metrics.update({f'critic/{k}': v for k, v in copt.items()})
-  return state._replace(extra={**state.extra, 'critic': critic}), metrics
 
 
 def check(config):
@@ -150,21 +186,29 @@ class Steps(NamedTuple):
 
 def make_steps(config, res, critic_graphdef, optimizers, shardings, packer=None):
   (tx, schedule), (critic_tx, critic_schedule) = optimizers
-  ppo_step = jax.jit(
-    functools.partial(
-      train_step,
-      graphdef=res.model.graphdef,
-      critic_graphdef=critic_graphdef,
-      tx=tx,
-      schedule=schedule,
-      critic_tx=critic_tx,
-      critic_schedule=critic_schedule,
-      cfg=policy_step.loss_config(config.rl),
-      value_clip=config.ppo.value_clip,
-    ),
-    donate_argnums=(0,),
-    out_shardings=shardings,
+  models_ = dict(
+    graphdef=res.model.graphdef,
+    critic_graphdef=critic_graphdef,
+    cfg=policy_step.loss_config(config.rl),
+    value_clip=config.ppo.value_clip,
   )
+  optim = dict(tx=tx, schedule=schedule, critic_tx=critic_tx, critic_schedule=critic_schedule)
+  if packer is not None and packer.budget:
+    # Micro-batches of a token budget: gradients summed, one update each.
+    ppo_step = common.MicroBatchedStep(
+      jax.jit(functools.partial(loss_and_grads, **models_)),
+      jax.jit(
+        functools.partial(apply_update, **optim), donate_argnums=(0,), out_shardings=shardings
+      ),
+      ADDITIVE_METRICS,
+      policy_step.TOKEN_SHARE,
+    )
+  else:
+    ppo_step = jax.jit(
+      functools.partial(train_step, **models_, **optim),
+      donate_argnums=(0,),
+      out_shardings=shardings,
+    )
   values = common.with_packer(jax.jit(functools.partial(critic_values, critic_graphdef)), packer)
   gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
   return Steps(ppo_step, grpo.logprobs_fn(config, res.model.graphdef, packer), values, gae)

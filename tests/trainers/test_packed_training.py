@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import dpo_arith, grpo_arith, ppo_arith, sft_arith
+from configs import agent_arith, dpo_arith, grpo_arith, ppo_arith, sft_arith
 from jrl import models, trainers
 from jrl.data import packing
-from jrl.trainers import checks, common, dpo, policy_step, ppo, reward_model, sft
+from jrl.trainers import checks, common, dpo, episodes, policy_step, ppo, reward_model, sft
 from tests.helpers import QUIET, SHRINK, records, set_fields, shrunk_config
 
 TINY = models.ModelConfig(
@@ -173,6 +173,115 @@ def test_policy_loss_and_gradients_are_the_same_packed_and_padded(model, name):
   for g, gp in zip(flat, flat_p, strict=True):
     np.testing.assert_allclose(np.asarray(gp), np.asarray(g), rtol=1e-4, atol=1e-5)
 
+  # Token-budget micro-batches (rows of 24, 2 rows each): their losses and
+  # gradients add up to the whole minibatch's, their metrics combine to its.
+  parts = micro_parts(tokens, mask, 24, budget=48)
+  assert len(parts) >= 2
+  losses, grads_m, metrics_m = [], None, []
+  for part in parts:
+    (loss_i, metrics_i), grads_i = grad(params, graphdef, batch._replace(packed=part), cfg)
+    losses.append(float(loss_i))
+    metrics_m.append(jax.device_get(metrics_i))
+    grads_m = grads_i if grads_m is None else jax.tree.map(jnp.add, grads_m, grads_i)
+  np.testing.assert_allclose(sum(losses), float(loss), rtol=1e-5, atol=1e-6)
+  for g, gm in zip(flat, jax.tree.leaves(grads_m), strict=True):
+    np.testing.assert_allclose(np.asarray(gm), np.asarray(g), rtol=1e-4, atol=1e-5)
+  step = common.MicroBatchedStep(None, None, policy_step.ADDITIVE_METRICS, policy_step.TOKEN_SHARE)
+  combined = step.combine(metrics_m)
+  np.testing.assert_allclose(sum(m[policy_step.TOKEN_SHARE] for m in metrics_m), 1.0, rtol=1e-6)
+  for key in ('actor/pg_loss', 'actor/entropy', 'actor/kl_ref', 'actor/logp_diff_abs'):
+    np.testing.assert_allclose(combined[key], float(metrics[key]), rtol=1e-5, atol=1e-6)
+  if 'actor/clipfrac' in metrics:
+    np.testing.assert_allclose(
+      combined['actor/clipfrac'], float(metrics['actor/clipfrac']), atol=1e-6
+    )
+
+
+def micro_parts(tokens, mask, row_len, budget, multiple=1):
+  return [
+    packing.PackedInputs(*map(jnp.asarray, host))
+    for host in packing.micro_batches(tokens, mask, row_len, budget, multiple)
+  ]
+
+
+def test_micro_batches_hold_every_sequence_once_within_the_budget():
+  lengths, prompts = BATCHES['mixed']
+  tokens, mask, _ = make_batch(lengths + lengths, prompts + prompts, 24, seed=8)
+  parts = packing.micro_batches(tokens, mask, 24, budget=48, multiple=2)
+  again = packing.micro_batches(tokens, mask, 24, budget=48, multiple=2)
+  assert len(parts) >= 2
+  held = np.zeros(len(tokens), int)
+  for part, same in zip(parts, again, strict=True):
+    for a, b in zip(part, same, strict=True):
+      np.testing.assert_array_equal(a, b)  # the same lengths, the same split
+    rows, row_len = part.tokens.shape
+    # 48 tokens per shard, 2 shards: at most 4 rows of 24; a multiple of the shards.
+    assert rows * row_len <= 48 * 2 and rows % 2 == 0
+    held += part.select
+    # Each held sequence unpacks to its own tokens; the others to nothing.
+    back = np.where(part.valid, part.tokens.reshape(-1)[part.index], 0)
+    np.testing.assert_array_equal(back[part.select], np.where(mask, tokens, 0)[part.select])
+    assert not part.valid[~part.select].any()
+  np.testing.assert_array_equal(held, 1)
+  with pytest.raises(ValueError, match='less than a row'):
+    packing.micro_batches(tokens, mask, 24, budget=20)
+
+
+@pytest.mark.parametrize('loss', ['ppo', 'gspo'])
+def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_rows(model, loss):
+  """An agent's rows: model turns, then tool answers (in the sequence and
+  attended to, not trained on, no behaviour logprob), then more model
+  turns. Padded, packed and split into micro-batches give one loss and
+  gradient."""
+  graphdef, params = model
+  lengths, prompts = BATCHES['mixed']
+  tokens, mask, loss_mask = make_batch(lengths, prompts, 24, seed=9)
+  with_tools = [row for row, (n, p) in enumerate(zip(lengths, prompts, strict=True)) if n - p >= 4]
+  assert len(with_tools) >= 2
+  for row in with_tools:
+    loss_mask[row, prompts[row] + 1 : prompts[row] + 3] = False  # two environment tokens
+  logp, _ = common.token_logprobs(graphdef, params, tokens, mask)
+  rng = np.random.default_rng(10)
+  f32 = lambda x: jnp.asarray(np.where(loss_mask, x, 0.0), jnp.float32)
+  batch = policy_step.PolicyBatch(
+    tokens=jnp.asarray(tokens),
+    mask=jnp.asarray(mask),
+    loss_mask=jnp.asarray(loss_mask),
+    old_logp=f32(np.asarray(logp) + rng.normal(0.0, 0.1, tokens.shape)),
+    ref_logp=f32(0.0),
+    advantages=f32(rng.normal(0.0, 1.0, (len(lengths), 1))),
+  )
+  cfg = policy_step.PolicyLossConfig(policy_loss=loss, loss_agg='seq-mean-token-mean')
+  grad = jax.jit(jax.value_and_grad(policy_step.policy_loss, has_aux=True), static_argnums=(1, 3))
+  (want, _), grads = grad(params, graphdef, batch, cfg)
+  (packed, _), grads_p = grad(
+    params, graphdef, batch._replace(packed=device_packed(tokens, mask, 24)), cfg
+  )
+  parts = [
+    grad(params, graphdef, batch._replace(packed=p), cfg) for p in micro_parts(tokens, mask, 24, 24)
+  ]
+  assert len(parts) >= 2
+  np.testing.assert_allclose(float(packed), float(want), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sum(float(p[0][0]) for p in parts), float(want), rtol=1e-5, atol=1e-6)
+  summed = jax.tree.map(lambda *g: sum(g), *[p[1] for p in parts])
+  for g, gp, gm in zip(*map(jax.tree.leaves, (grads, grads_p, summed)), strict=True):
+    np.testing.assert_allclose(np.asarray(gp), np.asarray(g), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gm), np.asarray(g), rtol=1e-4, atol=1e-5)
+
+
+def test_micro_batch_tokens_needs_packing_and_an_online_algorithm(tmp_path):
+  config = shrunk_config(tmp_path, {'rl.micro_batch_tokens': 64})
+  with pytest.raises(
+    ValueError, match=r'^`rl\.micro_batch_tokens`: must be 0, or with rl\.packing'
+  ):
+    checks.validate(config, 1)
+  config = shrunk_config(tmp_path, {'rl.packing': True, 'rl.micro_batch_tokens': 8})
+  with pytest.raises(ValueError, match=r'rl\.micro_batch_tokens'):
+    checks.validate(config, 1)
+  config = set_fields(sft_arith.get_config(), {'rl.packing': True, 'rl.micro_batch_tokens': 4096})
+  with pytest.raises(ValueError, match=r'online algorithms'):
+    checks.validate(config, 1)
+
 
 @pytest.mark.parametrize('batch_name', ['one_long_many_short', 'empty_responses'])
 def test_critic_values_and_value_loss_are_the_same_packed_and_padded(batch_name):
@@ -202,6 +311,14 @@ def test_critic_values_and_value_loss_are_the_same_packed_and_padded(batch_name)
   np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-5, atol=1e-6)
   for g, gp in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_p), strict=True):
     np.testing.assert_allclose(np.asarray(gp), np.asarray(g), rtol=1e-4, atol=1e-5)
+  # Micro-batches of one row each: the value losses and gradients add up.
+  parts = micro_parts(tokens, mask, max(lengths), budget=max(lengths))
+  assert len(parts) >= 2
+  outs = [grad(params, graphdef, batch._replace(packed=p), 0.2) for p in parts]
+  np.testing.assert_allclose(sum(float(o[0][0]) for o in outs), float(loss), rtol=1e-5, atol=1e-6)
+  summed = jax.tree.map(lambda *g: sum(g), *[o[1] for o in outs])
+  for g, gm in zip(jax.tree.leaves(grads), jax.tree.leaves(summed), strict=True):
+    np.testing.assert_allclose(np.asarray(gm), np.asarray(g), rtol=1e-4, atol=1e-5)
 
 
 def assert_same_loss_and_grads(loss_fn, params, padded, packed):
@@ -302,21 +419,53 @@ def digit_share(prompts, completions, metadata):
   return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+# GRPO and PPO run packed with token-budget micro-batches of one row per batch
+# shard (4 data shards x 2 tensor): several micro-batches per minibatch.
+ONLINE = {'mesh.data': 4, 'mesh.tensor': 2}
 RUNS = {
-  'grpo': (grpo_arith, {}, ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/kl_ref']),
-  'ppo': (ppo_arith, {}, ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'critic/vf_loss']),
+  'grpo': (
+    grpo_arith,
+    ONLINE,
+    ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/kl_ref'],
+  ),
+  'ppo': (
+    ppo_arith,
+    ONLINE,
+    ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'critic/vf_loss'],
+  ),
+  # The agent's episode runner (environment tokens in the loss: the test below).
+  'agent': (
+    agent_arith,
+    {**ONLINE, 'agent.sft_tool_frac': 0.9, 'sft.steps': 2},
+    ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/kl_ref'],
+  ),
   'sft': (sft_arith, {'sft.steps': 1, 'rl.steps': 0}, ['sft/nll', 'sft/grad_norm']),
   'dpo': (dpo_arith, {}, ['dpo/loss', 'dpo/grad_norm', 'logps/chosen', 'logps/rejected']),
 }
 
 
+def with_spread(make_env):
+  """The arithmetic environment, its final reward the share of digits (a
+  reward with spread on a model that has barely trained)."""
+
+  def make(tokenizer):
+    env = make_env(tokenizer)
+    env.final_reward = lambda text: digit_share(None, [text], None)[0]
+    return env
+
+  return make
+
+
 @pytest.mark.parametrize('name', sorted(RUNS))
-def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, name):
+def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, monkeypatch, name):
   """One iteration of each kind of trainer, padded and packed (for GRPO and
   PPO the same rollout: the sampler runs before any update; with a
   reference model, whose logprobs are packed too): the same losses and
   gradient norms."""
   module, fields, keys = RUNS[name]
+  if name == 'agent':
+    task_cls, make_env = episodes.ENVIRONMENTS['arith_tool']
+    monkeypatch.setitem(episodes.ENVIRONMENTS, 'arith_tool', (task_cls, with_spread(make_env)))
   logged = {}
   for packed in (False, True):
     workdir = tmp_path / f'packed_{packed}'
@@ -324,8 +473,11 @@ def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, name):
     seq_len = config.rl.max_prompt_len + config.rl.max_new_tokens
     overrides = {**SHRINK, **QUIET, 'workdir': str(workdir), 'sft.steps': 0, 'rl.steps': 1}
     overrides.update({'rl.packing': packed, 'rl.pack_row_len': 4 * seq_len, **fields})
-    if name in ('grpo', 'ppo'):
+    if name in ('grpo', 'ppo', 'agent'):
+      if packed:
+        overrides.update({'rl.pack_row_len': seq_len, 'rl.micro_batch_tokens': seq_len})
       overrides['rl.kl_coef'] = 0.01
+    if name in ('grpo', 'ppo'):
       overrides['reward.functions'] = (f'{__name__}:digit_share',)
       overrides['reward.mode'] = 'inline'
     trainers.run(set_fields(config, overrides))
@@ -334,11 +486,10 @@ def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, name):
   for key in keys:
     assert padded[key] != 0, key  # a figure that depends on the model
     np.testing.assert_allclose(packed[key], padded[key], rtol=1e-4, atol=1e-6, err_msg=key)
-  if name not in ('grpo', 'ppo'):
+  if name not in ('grpo', 'ppo', 'agent'):
     return
   assert padded['advantages/std'] > 0  # a loss with gradients to compare
   assert 'throughput/real_token_frac_packed' not in padded
-  # 8 rows of 8 over 8 devices: the rows split over the devices, so (at these
-  # sizes) packing cannot save rows; the unit tests above show fewer rows.
+  assert packed['throughput/micro_batches'] >= 2
   assert 0 < packed['throughput/real_token_frac_packed'] <= 1
   assert 0 < packed['throughput/real_token_frac_padded'] <= 1
