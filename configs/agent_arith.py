@@ -14,7 +14,7 @@ the tool-use rate and the reward. Held-out accuracy and tool-use rate
 from configs import common, grpo_arith
 
 
-def get_config():
+def get_config(arg=None):
   c = grpo_arith.get_config()
   c.unlock()
   c.algorithm = 'agent'
@@ -36,4 +36,4 @@ def get_config():
   c.checkpoint.every = 50
   c.log.every = 5
   c.lock()
-  return c
+  return common.variant(c, arg)

@@ -11,7 +11,7 @@ preference (the correct answer over an answer off by 1-10).
 from configs import common, grpo_arith
 
 
-def get_config():
+def get_config(arg=None):
   c = grpo_arith.get_config()
   c.unlock()
   c.algorithm = 'dpo'
@@ -22,4 +22,4 @@ def get_config():
   c.rl.steps = 100  # DPO steps
   c.optim.lr = 5e-5
   c.lock()
-  return c
+  return common.variant(c, arg)

@@ -13,7 +13,7 @@ console, and in curves.png). A few minutes on a 2-core CPU.
 from configs import common
 
 
-def get_config():
+def get_config(arg=None):
   c = common.base()
   c.workdir = 'runs/grpo_arith'
   c.model.width = 256
@@ -39,4 +39,4 @@ def get_config():
   c.checkpoint.every = 25
   c.log.every = 5
   c.lock()
-  return c
+  return common.variant(c, arg)

@@ -14,7 +14,7 @@ in veRL's GRPO example: k3 KL in the loss with β = 0.001, token-mean.
 from configs import common
 
 
-def get_config():
+def get_config(arg=None):
   c = common.base()
   c.workdir = 'runs/grpo_qwen'
   c.tokenizer = ''  # the checkpoint's tokenizer.json
@@ -47,4 +47,4 @@ def get_config():
   c.sampler.steps_per_dispatch = 16
   c.checkpoint.every = 50
   c.lock()
-  return c
+  return common.variant(c, arg)

@@ -38,7 +38,7 @@ SYSTEM_PROMPT = (
 )
 
 
-def get_config():
+def get_config(arg=None):
   c = common.base()
   c.workdir = 'runs/grpo_smollm2_gsm'
   c.tokenizer = ''  # the checkpoint's tokenizer.json
@@ -79,4 +79,4 @@ def get_config():
   c.checkpoint.every = 10
   c.log.samples_every = 2
   c.lock()
-  return c
+  return common.variant(c, arg)

@@ -7,7 +7,7 @@ adaptive KL penalty in the reward.
 from configs import common, grpo_arith
 
 
-def get_config():
+def get_config(arg=None):
   c = grpo_arith.get_config()
   c.unlock()
   c.algorithm = 'ppo'
@@ -21,4 +21,4 @@ def get_config():
   c.rl.kl_estimator = 'k1'
   c.rl.epochs = 2
   c.lock()
-  return c
+  return common.variant(c, arg)

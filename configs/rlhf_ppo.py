@@ -11,10 +11,10 @@ never sees. `reward/length_corr` reports whether the reward model pays for
 length.
 """
 
-from configs import ppo_arith
+from configs import common, ppo_arith
 
 
-def get_config():
+def get_config(arg=None):
   c = ppo_arith.get_config()
   c.unlock()
   c.workdir = 'runs/rlhf_ppo'
@@ -30,4 +30,4 @@ def get_config():
   c.rl.kl_in = 'reward'
   c.eval.every = 25
   c.lock()
-  return c
+  return common.variant(c, arg)

@@ -13,7 +13,7 @@ Pairs from a file: `--config.rm.train_path=pairs.jsonl --config.rm.eval_path=...
 from configs import common, grpo_arith
 
 
-def get_config():
+def get_config(arg=None):
   c = grpo_arith.get_config()
   c.unlock()
   c.algorithm = 'reward_model'
@@ -30,4 +30,4 @@ def get_config():
   c.checkpoint.every = 100
   c.export_hf = True
   c.lock()
-  return c
+  return common.variant(c, arg)

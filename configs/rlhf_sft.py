@@ -11,10 +11,10 @@ measured against ground truth: `eval/pair_accuracy` of stage 2 on
 held-out pairs, `eval/accuracy` (exact match) of stages 1 and 3.
 """
 
-from configs import grpo_arith
+from configs import common, grpo_arith
 
 
-def get_config():
+def get_config(arg=None):
   c = grpo_arith.get_config()
   c.algorithm = 'sft'
   c.workdir = 'runs/rlhf_sft'
@@ -22,4 +22,4 @@ def get_config():
   c.rl.steps = 0
   c.eval.every = 150
   c.export_hf = True
-  return c
+  return common.variant(c, arg)

@@ -17,25 +17,10 @@ from jrl.metrics import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The shrunken default job: 2 SFT + 3 RL iterations; 16 rows per RL step in
-# two minibatches of 8; evaluation and a checkpoint every 2 iterations.
-SHRINK = {
-  'model.width': 32,
-  'model.mlp_width': 64,
-  'model.num_layers': 1,
-  'model.head_dim': 8,
-  'task.eval_size': 8,
-  'sft.steps': 2,
-  'sft.batch_size': 8,
-  'rl.steps': 3,
-  'rl.prompts_per_step': 4,
-  'rl.group_size': 4,
-  'rl.minibatch_size': 8,
-  'sampler.num_slots': 16,
-  'eval.every': 2,
-  'checkpoint.every': 2,
-  'log.tensorboard': True,
-}
+# The shrunken default job (the configs' smoke variant): 2 SFT + 3 RL
+# iterations; 16 rows per RL step in two minibatches of 8; evaluation and a
+# checkpoint every 2 iterations.
+SHRINK = config_common.SMOKE
 # Runs that only need the trainer's behaviour skip the evaluation and the writers.
 QUIET = {'eval.every': 0, 'log.plot': False, 'log.tensorboard': False}
 
@@ -52,9 +37,9 @@ def set_fields(config, fields):
 
 
 def shrunk_config(workdir, overrides=None):
-  """`grpo_arith.get_config()` (locked) with SHRINK and `overrides` ({'a.b': v}) set."""
-  fields = {**SHRINK, 'workdir': str(workdir), **(overrides or {})}
-  return set_fields(grpo_arith.get_config(), fields)
+  """`grpo_arith.get_config('smoke')` (locked) with `overrides` ({'a.b': v}) set."""
+  fields = {'workdir': str(workdir), **(overrides or {})}
+  return set_fields(grpo_arith.get_config('smoke'), fields)
 
 
 def optim_config(**fields):

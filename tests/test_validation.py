@@ -19,6 +19,7 @@ import time
 
 import ml_collections
 import pytest
+from ml_collections.config_flags import config_flags
 
 from configs import common as config_common
 from configs import grpo_arith
@@ -323,3 +324,19 @@ def test_pair_length_counts_the_eos_token_only_when_it_is_appended(eos, fits):
   else:
     with pytest.raises(ValueError, match=r'`rejected` \(10 tokens\) \+ eos exceed'):
       char_checker().pair(pair, eos=eos)
+
+
+@pytest.mark.parametrize('name', CONFIG_NAMES)
+def test_every_config_has_a_smoke_variant(name):
+  """`--config=configs/<name>.py:smoke`: the same job, SMOKE's sizes, its
+  iteration counts capped (a job without an SFT warm-up keeps none)."""
+  parse = config_flags.ConfigFileFlagParser('config', lock_config=True).parse
+  full = default_config(name)
+  smoke = parse(os.path.join(REPO, 'configs', f'{name}.py:smoke'))
+  assert smoke.is_locked and smoke.algorithm == full.algorithm
+  for key, value in config_common.SMOKE.items():
+    got, was = checks._lookup(smoke, key)[1], checks._lookup(full, key)[1]
+    assert got == (min(was, value) if key.endswith('.steps') else value), key
+  checks.check_fields(smoke)  # every field in its range
+  with pytest.raises(ValueError, match="unknown config variant 'tiny'"):
+    importlib.import_module(f'configs.{name}').get_config('tiny')

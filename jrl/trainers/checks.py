@@ -357,10 +357,10 @@ def validate(config, batch_shards):
     f'must be 0, or with rl.packing on at least one packed row ({row_len} tokens).',
   )
   need(
-    not rl.micro_batch_tokens or config.algorithm in ('grpo', 'ppo', 'agent'),
+    not rl.micro_batch_tokens or config.algorithm in ('grpo', 'ppo', 'agent', 'sft'),
     'rl.micro_batch_tokens',
-    f'token-budget micro-batches run the online algorithms (grpo, ppo, agent), '
-    f'not {config.algorithm!r}.',
+    f'token-budget micro-batches run grpo, ppo, agent and sft (with their SFT warm-up), '
+    f'not {config.algorithm!r} (its pair losses are not split yet).',
   )
   need(
     config.sft.batch_size % batch_shards == 0,

@@ -132,12 +132,12 @@ def token_logprobs(
 
 def with_packed(batch, packer):
   """`batch` (placed on the mesh, with a `packed` field) with its rows packed
-  by `packer`, or unchanged when `packer` is None."""
+  by `packer` (a list of micro-batches when it has a token budget), or
+  unchanged when `packer` is None."""
   if packer is None:
     return batch
-  return batch._replace(
-    packed=packer(distributed.fetch(batch.tokens), distributed.fetch(batch.mask))
-  )
+  pack = packer.split if packer.budget else packer
+  return batch._replace(packed=pack(distributed.fetch(batch.tokens), distributed.fetch(batch.mask)))
 
 
 class Packer:

@@ -12,6 +12,7 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jrl import distributed
 from jrl import losses as L
@@ -19,12 +20,39 @@ from jrl.trainers import common, controller, rollout, setup
 
 
 def sft_loss(params, graphdef, batch, chunk_size=1024):
-  """Mean negative log-likelihood of the response tokens of a SequenceBatch."""
+  """Mean negative log-likelihood of the response tokens of a SequenceBatch,
+  or the share of it that the micro-batch `batch.packed.select` holds (its
+  tokens' sum over the whole batch's token count)."""
   logp, _ = common.token_logprobs(
     graphdef, params, batch.tokens, batch.mask, batch.packed, chunk_size=chunk_size
   )
-  loss = -L.token_mean(logp, batch.loss_mask)
-  return loss, {'sft/nll': jax.lax.stop_gradient(loss)}
+  m_all = batch.loss_mask
+  if batch.packed is None:
+    held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
+  else:
+    held = batch.packed.select[:, None]
+    m = m_all & held
+  loss = -L.token_mean(jnp.where(held, logp, 0.0), m_all)
+  share = jnp.sum(m) / jnp.maximum(jnp.sum(m_all), 1)
+  return loss, {'sft/nll': jax.lax.stop_gradient(loss), TOKEN_SHARE: share}
+
+
+TOKEN_SHARE = 'token_share'
+ADDITIVE_METRICS = ('sft/nll',)
+
+
+def loss_and_grads(state, batch, *, graphdef, chunk_size=1024):
+  """(loss [], metrics, grads) of `sft_loss` at `state.params`."""
+  (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
+    state.params, graphdef, batch, chunk_size
+  )
+  return loss, metrics, grads
+
+
+def apply_update(state, grads, loss, metrics, *, tx, schedule, accum=1):
+  """The optimiser update of a batch's (summed) gradients and loss."""
+  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule, accum=accum)
+  return state, dict(metrics, **{f'sft/{k}': v for k, v in opt_metrics.items()})
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, chunk_size=1024, accum=1):
@@ -33,12 +61,9 @@ def train_step(state, batch, *, graphdef, tx, schedule, chunk_size=1024, accum=1
   Returns:
     (state, metrics).
   """
-  (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
-    state.params, graphdef, batch, chunk_size
-  )
-  state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule, accum=accum)
-  metrics.update({f'sft/{k}': v for k, v in opt_metrics.items()})
-  return state, metrics
+  loss, metrics, grads = loss_and_grads(state, batch, graphdef=graphdef, chunk_size=chunk_size)
+  del metrics[TOKEN_SHARE]
+  return apply_update(state, grads, loss, metrics, tx=tx, schedule=schedule, accum=accum)
 
 
 # The SFT phase -------------------------------------------------------------------
@@ -66,22 +91,29 @@ def warmup(res, state, make_batch=response_batch):
   `make_batch(res, examples, iteration)`, one update with the SFT optimiser."""
   config = res.config
   tx, schedule = setup.sft_optimizer(config)
-  step = jax.jit(
-    functools.partial(
-      train_step,
-      graphdef=res.model.graphdef,
-      tx=tx,
-      schedule=schedule,
-      chunk_size=config.rl.chunk_size,
-      accum=int(config.optim.grad_accum),
-    ),
-    donate_argnums=(0,),
-    out_shardings=setup.step_shardings(state, res.mesh),
-  )
+  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
+  model = dict(graphdef=res.model.graphdef, chunk_size=config.rl.chunk_size)
+  optim = dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum))
+  shardings = setup.step_shardings(state, res.mesh)
+  if packer is not None and packer.budget:
+    # Micro-batches of a token budget: gradients summed, one update.
+    step = common.MicroBatchedStep(
+      jax.jit(functools.partial(loss_and_grads, **model)),
+      jax.jit(
+        functools.partial(apply_update, **optim), donate_argnums=(0,), out_shardings=shardings
+      ),
+      ADDITIVE_METRICS,
+      TOKEN_SHARE,
+    )
+  else:
+    step = jax.jit(
+      functools.partial(train_step, **model, **optim),
+      donate_argnums=(0,),
+      out_shardings=shardings,
+    )
   size = config.sft.batch_size
   rows = distributed.local_rows(res.batch_sharding, size)
   stream = res.streams['sft_stream']
-  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
 
   def iterate(state, iteration):
     batch = make_batch(res, stream.next(size, rows), iteration)

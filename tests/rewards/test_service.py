@@ -199,8 +199,11 @@ def test_format_and_length_rewards():
   good = '<think>3+4 is 7</think> <answer>7</answer>'
   bad = ['<answer>7</answer>', '<think>x</think>', 'plain 7', '<answer>7</answer><think>x</think>']
   assert format_think_answer([''] * 5, [good, *bad], [{}] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
-  fn = make_regex_reward('test_digits_only', r'\d+')
-  assert fn([''] * 3, ['123', '12a', ''], [{}] * 3) == [1.0, 0.0, 0.0]
+  try:
+    fn = make_regex_reward('test_digits_only', r'\d+')
+    assert fn([''] * 3, ['123', '12a', ''], [{}] * 3) == [1.0, 0.0, 0.0]
+  finally:  # registered by name like a built-in: leave the registry as it was
+    rewards_base.REGISTRY.pop('test_digits_only', None)
   # max 10 tokens, buffer 4: no penalty up to 6, then linear to the full penalty at 10.
   np.testing.assert_allclose(
     overlong_penalty([3, 6, 7, 8, 10], 10, 4, penalty=2.0), [0.0, 0.0, 0.5, 1.0, 2.0]

@@ -479,7 +479,6 @@ def test_dpo_family_from_jsonl(tmp_path, pairs_path, loss, monkeypatch):
   if loss in REFERENCE_FREE:
     assert 'ref_params' not in state.extra
     assert not calls
-    assert all(r['time/reference'] < 0.05 for r in recs)
     return
   assert len(calls) == steps
   # The reference is the policy after the warm-up: at the first step the

@@ -269,7 +269,7 @@ def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_row
     np.testing.assert_allclose(np.asarray(gm), np.asarray(g), rtol=1e-4, atol=1e-5)
 
 
-def test_micro_batch_tokens_needs_packing_and_an_online_algorithm(tmp_path):
+def test_micro_batch_tokens_needs_packing_and_a_loss_it_can_split(tmp_path):
   config = shrunk_config(tmp_path, {'rl.micro_batch_tokens': 64})
   with pytest.raises(
     ValueError, match=r'^`rl\.micro_batch_tokens`: must be 0, or with rl\.packing'
@@ -278,8 +278,8 @@ def test_micro_batch_tokens_needs_packing_and_an_online_algorithm(tmp_path):
   config = shrunk_config(tmp_path, {'rl.packing': True, 'rl.micro_batch_tokens': 8})
   with pytest.raises(ValueError, match=r'rl\.micro_batch_tokens'):
     checks.validate(config, 1)
-  config = set_fields(sft_arith.get_config(), {'rl.packing': True, 'rl.micro_batch_tokens': 4096})
-  with pytest.raises(ValueError, match=r'online algorithms'):
+  config = set_fields(dpo_arith.get_config(), {'rl.packing': True, 'rl.micro_batch_tokens': 4096})
+  with pytest.raises(ValueError, match=r"not 'dpo' \(its pair losses are not split yet\)"):
     checks.validate(config, 1)
 
 
@@ -340,6 +340,16 @@ def test_sft_loss_and_gradients_are_the_same_packed_and_padded(model):
   packed = batch._replace(packed=device_packed(tokens, mask, 24))
   loss_fn = lambda p, b: sft.sft_loss(p, graphdef, b)
   assert_same_loss_and_grads(loss_fn, params, batch, packed)
+  # Micro-batches of one row: the NLL and its gradient add up.
+  grad = jax.value_and_grad(loss_fn, has_aux=True)
+  (want, _), grads = grad(params, batch)
+  parts = [grad(params, batch._replace(packed=p)) for p in micro_parts(tokens, mask, 24, 24)]
+  assert len(parts) >= 2
+  np.testing.assert_allclose(sum(float(p[0][0]) for p in parts), float(want), rtol=1e-5)
+  np.testing.assert_allclose(sum(float(p[0][1][sft.TOKEN_SHARE]) for p in parts), 1.0, rtol=1e-6)
+  summed = jax.tree.map(lambda *g: sum(g), *[p[1] for p in parts])
+  for g, gm in zip(jax.tree.leaves(grads), jax.tree.leaves(summed), strict=True):
+    np.testing.assert_allclose(np.asarray(gm), np.asarray(g), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize('loss', dpo.DPO_LOSSES)
@@ -419,8 +429,9 @@ def digit_share(prompts, completions, metadata):
   return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-# GRPO and PPO run packed with token-budget micro-batches of one row per batch
-# shard (4 data shards x 2 tensor): several micro-batches per minibatch.
+# GRPO, PPO, the agent and SFT run packed with token-budget micro-batches of
+# one row per batch shard (4 data shards x 2 tensor): several micro-batches
+# per minibatch.
 ONLINE = {'mesh.data': 4, 'mesh.tensor': 2}
 RUNS = {
   'grpo': (
@@ -439,7 +450,7 @@ RUNS = {
     {**ONLINE, 'agent.sft_tool_frac': 0.9, 'sft.steps': 2},
     ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/kl_ref'],
   ),
-  'sft': (sft_arith, {'sft.steps': 1, 'rl.steps': 0}, ['sft/nll', 'sft/grad_norm']),
+  'sft': (sft_arith, {'sft.steps': 1, 'rl.steps': 0, **ONLINE}, ['sft/nll', 'sft/grad_norm']),
   'dpo': (dpo_arith, {}, ['dpo/loss', 'dpo/grad_norm', 'logps/chosen', 'logps/rejected']),
 }
 
@@ -473,10 +484,10 @@ def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, monkeypatch, name
     seq_len = config.rl.max_prompt_len + config.rl.max_new_tokens
     overrides = {**SHRINK, **QUIET, 'workdir': str(workdir), 'sft.steps': 0, 'rl.steps': 1}
     overrides.update({'rl.packing': packed, 'rl.pack_row_len': 4 * seq_len, **fields})
-    if name in ('grpo', 'ppo', 'agent'):
+    if name in ('grpo', 'ppo', 'agent', 'sft'):
       if packed:
         overrides.update({'rl.pack_row_len': seq_len, 'rl.micro_batch_tokens': seq_len})
-      overrides['rl.kl_coef'] = 0.01
+      overrides['rl.kl_coef'] = 0.01 if name != 'sft' else 0.0
     if name in ('grpo', 'ppo'):
       overrides['reward.functions'] = (f'{__name__}:digit_share',)
       overrides['reward.mode'] = 'inline'
