@@ -28,6 +28,8 @@ import pytest
 
 from jrl.rewards import code, sandbox
 from jrl.rewards.base import get_reward_fn
+from jrl.rewards.sandbox import plan as sandbox_plan
+from jrl.rewards.sandbox import rootfs
 from jrl.rewards.service import RewardService
 
 CAPS = sandbox.capabilities()
@@ -709,7 +711,7 @@ print(json.dumps(out))
 
 def visible_children(directory):
   """What the new root must show in `directory`: the next step to a bound path."""
-  spec = sandbox._root_spec('/tmp/jrl_sandbox_x')
+  spec = rootfs.root_spec('/tmp/jrl_sandbox_x')
   shown = set()
   for p, _ in spec['binds'] + spec['links']:
     if p.startswith(directory.rstrip('/') + '/'):
@@ -781,7 +783,7 @@ def test_memory_watchdog_bounds_the_total_without_a_cgroup(monkeypatch):
     assert CAPS['memory_total'] == 'per_process'
     return
   plan = dict(sandbox._get_plan(), cgroup=None, _cgroup=None)
-  sandbox._derive(plan)
+  sandbox_plan.derive(plan)
   monkeypatch.setattr(sandbox, '_PLAN', plan)
   assert sandbox.capabilities()['memory_total'] == 'watchdog'
   assert sandbox.isolation_level() == 'no_cgroup' or CAPS['isolation'] == 'degraded'
@@ -806,7 +808,7 @@ def test_code_reward_refuses_without_namespaces_unless_told(monkeypatch):
     'uid_range': [65534, 1],
     'errors': dict.fromkeys(('user', 'net', 'ipc', 'mount', 'pid', 'proc'), refused),
   }
-  plan = sandbox._plan_from(found)  # self-tests rlimits-only runs, as such a user gets
+  plan = sandbox_plan.plan_from(found)  # self-tests rlimits-only runs, as such a user gets
   monkeypatch.setattr(sandbox, '_PLAN', plan)
   assert sandbox.isolation_level() == 'degraded' and sandbox.isolation_metric() == 1
   fn = get_reward_fn('code_tests')

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jrl.rewards import RewardService
-from jrl.rewards import server as server_lib
 from jrl.rewards.server import RemoteRewardService, make_server
+from jrl.rewards.server import client as client_lib
 from tests.rewards import fixtures  # noqa: F401 (registers the test functions)
 
 WAIT_S = 20.0  # upper bound on any wait for the server; it needs ~2 s at most
@@ -311,7 +311,7 @@ def _recording_sleep(monkeypatch, on_sleep=None):
     if on_sleep is not None:
       on_sleep(len(slept))
 
-  monkeypatch.setattr(server_lib, '_backoff_sleep', sleep)
+  monkeypatch.setattr(client_lib, '_backoff_sleep', sleep)
   return slept
 
 

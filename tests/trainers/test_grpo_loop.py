@@ -475,6 +475,7 @@ def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path,
   start-up: the isolation level is printed and kept in metrics, and a
   sandbox without namespaces is refused unless `reward.sandbox_unsafe`."""
   from jrl.rewards import code, sandbox
+  from jrl.rewards.sandbox import plan as sandbox_plan
 
   monkeypatch.delenv(code.UNSAFE_ENV, raising=False)
   overrides = {**QUIET, 'sft.steps': 0, 'rl.steps': 1, 'reward.functions': ('code_tests',)}
@@ -491,7 +492,7 @@ def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path,
     'uid_range': [65534, 1],
     'errors': dict.fromkeys(('user', 'net', 'ipc', 'mount', 'pid', 'proc'), refused),
   }
-  monkeypatch.setattr(sandbox, '_PLAN', sandbox._plan_from(found))
+  monkeypatch.setattr(sandbox, '_PLAN', sandbox_plan.plan_from(found))
   with pytest.raises(code.SandboxUnavailableError, match='sandbox_unsafe'):
     trainers.build(shrunk_config(tmp_path / 'degraded', overrides))
   monkeypatch.setattr(sandbox, '_PLAN', None)  # probed afresh by later tests

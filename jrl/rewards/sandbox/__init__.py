@@ -1,0 +1,83 @@
+"""jrl.rewards.sandbox: runs untrusted, model-written Python in a sandbox.
+
+    result = run_program('print(input()[::-1])', 'abc\\n', limits=Limits(wall_seconds=2))
+    result.status, result.stdout      # ('ok', 'cba\\n')
+    isolation_level()                 # 'full' | 'no_cgroup' | 'degraded' | 'broken'
+
+Treat every program as hostile. `run_program` never raises for anything the
+program does: the outcome is a `RunResult` status, and a failure of the
+sandbox itself is status 'sandbox_error' with a message in `stderr`.
+
+See README.md beside this file: what the program sees and does not get, the
+isolation levels, the process tree, what is lost where a mechanism is
+missing, and which module holds what.
+"""
+
+import logging
+import threading
+import time
+
+from jrl.rewards.sandbox.plan import ISOLATION_LEVELS, make_plan
+from jrl.rewards.sandbox.results import STATUSES, KiB, Limits, MiB, RunResult
+from jrl.rewards.sandbox.runner import run
+
+_log = logging.getLogger(__name__)
+
+
+def capabilities():
+  """Which mechanisms this machine enforces (probed once per process).
+
+  Keys: root, uid_drop, user_namespace, network_namespace, pid_namespace,
+  mount_namespace (a new root of only the interpreter and system libraries,
+  read-only; a tmpfs workdir with a disk quota), private_proc (a /proc of
+  the PID namespace, hidepid), ipc_namespace, cgroup ('cgroup2', 'cgroup1'
+  or None), memory_total ('cgroup' | 'watchdog' | 'per_process': what bounds
+  the memory of all processes together), rlimits, process_group,
+  no_new_privs, kills_escaped_processes (a setsid daemon cannot outlive the
+  run), contains_signals (the program cannot signal the caller), self_test
+  ('ok' or why the sandbox cannot run programs), isolation (see
+  `isolation_level`), notes (what is not enforced).
+  """
+  plan = _get_plan()
+  caps = {k: v for k, v in plan.items() if not k.startswith('_')}
+  caps['notes'] = list(plan['notes'])
+  return caps
+
+
+def isolation_level():
+  """'full' | 'no_cgroup' | 'degraded' | 'broken' (see README.md)."""
+  return _get_plan()['isolation']
+
+
+def isolation_metric():
+  """`isolation_level()` as a number for metrics: 3 full, 2 no_cgroup, 1 degraded, 0 broken."""
+  return ISOLATION_LEVELS.index(isolation_level())
+
+
+def run_program(source, stdin='', *, limits=Limits(), language='python'):  # noqa: B008 (frozen)
+  """Runs `source` with `stdin` under `limits`; returns a RunResult, never raises."""
+  t0 = time.monotonic()
+  try:
+    if language != 'python':
+      raise ValueError(f'unsupported language {language!r}; only python runs in the sandbox')
+    plan = _get_plan()
+    if plan['self_test'] != 'ok':
+      raise RuntimeError(f'the sandbox cannot run programs here: {plan["self_test"]}')
+    return run(plan, source, stdin, limits, t0)
+  except Exception as e:
+    message = f'sandbox: {type(e).__name__}: {e}'
+    return RunResult('sandbox_error', None, '', message, time.monotonic() - t0)
+
+
+# The plan: probed once per process, on first use. Tests replace `_PLAN`.
+_PLAN = None
+_PLAN_LOCK = threading.Lock()
+
+
+def _get_plan():
+  global _PLAN
+  with _PLAN_LOCK:
+    if _PLAN is None:
+      _PLAN = make_plan()
+      _log.info('code sandbox: isolation %r; %s', _PLAN['isolation'], '; '.join(_PLAN['notes']))
+    return _PLAN
