@@ -1,0 +1,270 @@
+"""The host side of continuous batching: the queue, the slots of every
+replica, page promises, refills, compaction and finished samples.
+
+Admission: a group is admitted when enough slots are idle and its
+worst-case page count (prompt plus `max_new_tokens` per sample, prompt
+pages counted once when shared) fits in the pages not already promised to
+running groups. Pages are still allocated lazily, one at a time, as tokens
+are written, so memory in use follows the real lengths; the promise only
+guarantees that a running sequence never finds the pool empty. A request
+whose worst case exceeds the whole pool is refused up front with an error;
+any smaller pool works, with requests waiting for pages to be freed.
+
+`Scheduler` holds only NumPy and Python state; `jrl.sampler.Sampler`
+dispatches the device programs it asks for.
+"""
+
+import collections
+import math
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jrl.sampler.pages import group_pages
+from jrl.sampler.requests import Completion
+from jrl.sampler.state import FINISH_REASONS
+
+
+def pow2_at_least(n):
+  return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+class PrefillRound(NamedTuple):
+  """The arguments of one batched prefill call over R replicas."""
+
+  tokens: np.ndarray  # [R, B, Pb] int32 prompts, padded on the right with 0
+  lengths: np.ndarray  # [R, B] int32 (1 on padding rows)
+  slots: np.ndarray  # [R, B, G] int32 local slot ids
+  request: object  # SlotRequest with leading [R, B] axes
+  valid: np.ndarray  # [R, B] bool: the row holds a prompt
+  num_chunks: np.int32  # prefill chunks that cover the longest prompt
+
+
+def pack_admissions(admitted, max_batch, bucket, chunk):
+  """The PrefillRound of the groups admitted this round.
+
+  `admitted[r]`: [(request, prompt length, local slots, SlotRequest)] for
+  replica r. Rows are padded to a power-of-two batch and one bucket length
+  (`bucket(n)`: the padded length of a prompt of n tokens; `chunk`: the
+  prefill chunk, or None).
+  """
+  r_count = len(admitted)
+  # Power-of-two batch sizes: a refill of a few groups costs a few prefills
+  # (not `max_batch`), and at most log2(max_batch) + 1 programs compile.
+  b = min(max_batch, pow2_at_least(max(len(rows) for rows in admitted)))
+  pb = bucket(max(n for rows in admitted for _, n, _, _ in rows))
+  g = len(next(rows for rows in admitted if rows)[0][2])
+  tokens = np.zeros((r_count, b, pb), np.int32)
+  lengths = np.ones((r_count, b), np.int32)
+  slots = np.tile(np.arange(g, dtype=np.int32), (r_count, b, 1))
+  valid = np.zeros((r_count, b), bool)
+  template = next(rows for rows in admitted if rows)[0][3]
+  request = jax.tree.map(lambda x: np.broadcast_to(x, (r_count, b, *x.shape)).copy(), template)
+  for r, rows in enumerate(admitted):
+    for j, (req, n, local, slot_request) in enumerate(rows):
+      tokens[r, j, :n] = req.prompt
+      lengths[r, j] = n
+      slots[r, j] = local
+      valid[r, j] = True
+      for field, value in zip(request, slot_request, strict=True):
+        field[r, j] = value
+  num_chunks = np.int32(-(-int(lengths.max()) // (chunk or pb)))
+  return PrefillRound(tokens, lengths, slots, request, valid, num_chunks)
+
+
+class Scheduler:
+  """Bookkeeping of one `Sampler.generate` call.
+
+  Slots are numbered globally r·sr + j (replica r, local slot j, sr slots
+  per replica: fewer after a compaction). Whole groups go to one replica
+  each (their samples share the prompt's pages), the one with the most idle
+  slots among those with room.
+  """
+
+  def __init__(self, requests, group_size, share_prompt, cfg, replicas, slots_per_replica, batch):
+    self.requests = requests
+    self.cfg = cfg
+    self.capacity = cfg.num_pages - 1  # per replica
+    self.num_r = replicas
+    self.sr = sr = slots_per_replica  # slots per replica (fewer after a compaction)
+    self.max_new = [r.per_sample('max_new_tokens', group_size) for r in requests]
+    per_group = group_size if share_prompt else 1
+    self.max_batch = min(batch, sr // per_group)  # groups per prefill call
+    self.pending = collections.deque()
+    for i in range(len(requests)):
+      if share_prompt:
+        self.pending.append((i, tuple(range(group_size))))
+      else:
+        self.pending.extend((i, (g,)) for g in range(group_size))
+    self.results = [[None] * group_size for _ in requests]
+    self.free_slots = [list(range(sr)) for _ in range(replicas)]  # local slot ids per replica
+    self.reserved = [0] * replicas
+    self.slot_owner = {}  # global slot r·sr + j -> (request, sample, group id, private pages)
+    self.groups = {}  # group id -> [replica, shared pages, samples left]
+    self.next_group = 0
+    self.held_pages = np.zeros(replicas * sr, np.int32)  # host copy of state.num_pages
+    self.env_spans = collections.defaultdict(list)  # slot -> [(start, end)] of env tokens
+    self.generated = np.zeros(replicas * sr, np.int64)  # host copy of state.num_generated
+
+  @property
+  def busy(self):
+    return bool(self.pending or self.slot_owner)
+
+  @property
+  def num_slots(self):
+    """R·sr: the slots of the current state."""
+    return self.num_r * self.sr
+
+  def admit(self, slot_request):
+    """Admits what fits, in order, each group into the replica with most idle
+    slots. Returns `admitted[r]`: [(request, prompt length, local slots,
+    SlotRequest)]; `slot_request(request, samples)` makes the last."""
+    cfg, num_r, sr = self.cfg, self.num_r, self.sr
+    admitted = [[] for _ in range(num_r)]
+    while self.pending:
+      i, samples = self.pending[0]
+      r = self.requests[i]
+      n = len(r.prompt)
+      news = [self.max_new[i][g] for g in samples]
+      need = group_pages(n, news, cfg.page_size)
+      fits = [
+        k
+        for k in range(num_r)
+        if len(self.free_slots[k]) >= len(samples)
+        and self.reserved[k] + need <= self.capacity
+        and len(admitted[k]) < self.max_batch
+      ]
+      if not fits:
+        break
+      k = max(fits, key=lambda k: (len(self.free_slots[k]), -k))
+      self.pending.popleft()
+      local = [self.free_slots[k].pop(0) for _ in samples]
+      admitted[k].append((r, n, local, slot_request(r, samples)))
+      self.reserved[k] += need
+      shared = n // cfg.page_size
+      self.groups[self.next_group] = [k, shared, len(samples)]
+      for j, g, m in zip(local, samples, news, strict=True):
+        slot = k * sr + j
+        private = -(-(n + m - 1) // cfg.page_size) - shared
+        self.slot_owner[slot] = (i, g, self.next_group, private)
+        self.held_pages[slot] = -(-n // cfg.page_size)
+        self.generated[slot] = 1  # insert samples the first token
+      self.next_group += 1
+    return admitted
+
+  def compact(self):
+    """With the queue empty, keeps the live slots only: the [R, Sc] int32
+    local slot ids to keep (live ones first, then idle ones), with the host
+    state renumbered to match; None when the cut would be under 4x."""
+    if self.pending or not self.slot_owner:
+      return None
+    num_r, sr = self.num_r, self.sr
+    live = [[s % sr for s in self.slot_owner if s // sr == k] for k in range(num_r)]
+    target = pow2_at_least(max(len(x) for x in live))
+    if target > sr // 4:  # a 4x cut at least: few compiled slot counts
+      return None
+    index = np.zeros((num_r, target), np.int32)
+    remap = {}
+    for k in range(num_r):
+      keep = sorted(live[k])
+      idle = [j for j in range(sr) if j not in set(keep)]
+      index[k] = keep + idle[: target - len(keep)]
+      for new, old in enumerate(keep):
+        remap[k * sr + old] = k * target + new
+    flat = (np.arange(num_r)[:, None] * sr + index).reshape(-1)
+    self.held_pages, self.generated = self.held_pages[flat], self.generated[flat]
+    self.slot_owner = {remap[s]: v for s, v in self.slot_owner.items()}
+    self.env_spans = collections.defaultdict(list, {remap[s]: v for s, v in self.env_spans.items()})
+    self.sr = sr = target
+    self.free_slots = [
+      [j for j in range(sr) if k * sr + j not in self.slot_owner] for k in range(num_r)
+    ]
+    return index
+
+  def decoded(self, held, gen):
+    """Takes the [R·sr] pages held and tokens generated after a dispatch;
+    returns the decode steps it ran (it stops when no slot is live)."""
+    self.held_pages = np.array(held)
+    gen = np.asarray(gen, np.int64)
+    steps_run = int(max(0, (gen - self.generated).max()))
+    self.generated = gen
+    return steps_run
+
+  def retire(self, finished, out_tokens, out_logp, num_gen, reasons, on_turn_end):
+    """Records the samples of the `finished` slots (row k of the [F, ...]
+    arrays for slot finished[k]) or, in a multi-turn run, queues the
+    environment's tokens for them.
+
+    Returns ({slot: environment tokens} to resume, the slots to free, the
+    tokens of the completions recorded).
+    """
+    cfg = self.cfg
+    continuing = {}
+    tokens = 0
+    for row, slot in enumerate(finished):
+      i, g, group, private = self.slot_owner[slot]
+      n_out = int(num_gen[row])
+      reason = FINISH_REASONS[int(reasons[row])]
+      if on_turn_end is not None and reason == 'stop':
+        answer = on_turn_end(i, g, out_tokens[row, :n_out].copy())
+        if not isinstance(answer, str):
+          env = list(answer)
+          room = self.max_new[i][g] - n_out - 1  # one model token after them
+          if len(env) > cfg.max_forced_tokens or len(env) > room:
+            reason = 'length'
+          else:
+            continuing[slot] = env
+            self.env_spans[slot].append((n_out, n_out + len(env)))
+            continue
+        else:
+          reason = answer
+      self.slot_owner.pop(slot)
+      env_mask = None
+      if on_turn_end is not None:
+        env_mask = np.zeros(n_out, bool)
+        for a, b in self.env_spans.pop(slot, []):
+          env_mask[a:b] = True
+      self.results[i][g] = Completion(
+        tokens=out_tokens[row, :n_out].copy(),
+        logprobs=out_logp[row, :n_out].copy(),
+        finish_reason=reason,
+        env_mask=env_mask,
+      )
+      tokens += n_out
+      k, shared, left = self.groups[group]
+      self.reserved[k] -= private
+      if left == 1:
+        self.reserved[k] -= shared
+        del self.groups[group]
+      else:
+        self.groups[group][2] = left - 1
+    return continuing, [s for s in finished if s not in continuing], tokens
+
+  def resume_args(self, continuing):
+    """`engine.resume`'s slot mask [R, sr], forced tokens [R, sr, F] and
+    their counts [R, sr] for {slot: environment tokens}."""
+    num_r, sr = self.num_r, self.sr
+    f = max(1, self.cfg.max_forced_tokens)
+    forced = np.zeros((num_r * sr, f), np.int32)
+    forced_len = np.zeros(num_r * sr, np.int32)
+    resume_mask = np.zeros(num_r * sr, bool)
+    for slot, env in continuing.items():
+      forced[slot, : len(env)] = env
+      forced_len[slot] = len(env)
+      resume_mask[slot] = True
+    return (
+      resume_mask.reshape(num_r, sr),
+      forced.reshape(num_r, sr, f),
+      forced_len.reshape(num_r, sr),
+    )
+
+  def release(self, finished):
+    """The [R, sr] mask of `engine.free` for the `finished` slots, which
+    become idle."""
+    num_r, sr = self.num_r, self.sr
+    mask = np.zeros(num_r * sr, bool)
+    mask[finished] = True
+    for slot in finished:
+      self.free_slots[slot // sr].append(slot % sr)
+    return mask.reshape(num_r, sr)
