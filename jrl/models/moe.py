@@ -1,6 +1,6 @@
 """Routed experts: top-k routing, the experts' computation (dense einsum or
 grouped `ragged_dot`), and the Switch-Transformer load-balancing loss. The
-`MoE` layer that holds the weights is in `jrl/models/transformer.py`.
+`MoE` layer that holds the weights is in `jrl/models/layers.py`.
 
 Shapes: N token rows, D width, F expert MLP width, E experts, K experts per token.
 """
