@@ -200,6 +200,9 @@ def base():
   # Drop whole sequences with A < 0 whose mean log(π_old/π) exceeds this
   # (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); 0: off
   c.rl.off_policy_mask_threshold = 0.0
+  # MoE models: the router's load-balancing loss (Switch Transformer; Hugging Face's
+  # router_aux_loss_coef, 0.001 for Qwen3-MoE) added to the policy loss. 0: off.
+  c.rl.router_aux_coef = 0.0
   c.rl.kl_input_clamp = 0.0  # 0: off
   c.rl.kl_output_clamp = 0.0  # 0: off
   c.rl.entropy_coef = 0.0  # entropy bonus weight

@@ -153,6 +153,7 @@ FIELDS = {
   'rl.chunk_size': count(1),
   'rl.pack_row_len': count(0),  # 0: max_prompt_len + max_new_tokens
   'rl.micro_batch_tokens': count(0),  # 0: no token-budget micro-batches
+  'rl.router_aux_coef': non_negative(),
   'optim.lr': positive(),
   'optim.warmup_steps': count(0),
   'optim.decay_steps': count(0),

@@ -97,8 +97,11 @@ def token_logprobs(
   temperature=1.0,
   chunk_size=1024,
   with_entropy=False,
+  with_router_loss=False,
 ):
-  """(logp, entropy), each [B, T] float32, of a right-padded batch.
+  """(logp, entropy), each [B, T] float32, of a right-padded batch, and the
+  MoE router load-balancing loss [] over its real tokens as a third element
+  with `with_router_loss` (0 for a dense model).
 
   With `packed` (`jrl.data.packing.PackedInputs` of this batch, on the
   device) the model runs on the packed rows, where attention stays inside
@@ -115,8 +118,9 @@ def token_logprobs(
       temperature=temperature,
       chunk_size=chunk_size,
       with_entropy=with_entropy,
+      with_router_loss=with_router_loss,
     )
-  logp_RxL, ent_RxL = models.next_token_logprobs(
+  logp_RxL, ent_RxL, *aux = models.next_token_logprobs(
     graphdef,
     params,
     packed.tokens,
@@ -125,9 +129,10 @@ def token_logprobs(
     temperature=temperature,
     chunk_size=chunk_size,
     with_entropy=with_entropy,
+    with_router_loss=with_router_loss,
   )
   unpack = lambda x: packing.unpack_on_device(x, packed.index, packed.valid)
-  return unpack(logp_RxL), unpack(ent_RxL)
+  return (unpack(logp_RxL), unpack(ent_RxL), *aux)
 
 
 def with_packed(batch, packer):

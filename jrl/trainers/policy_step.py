@@ -63,6 +63,7 @@ class PolicyLossConfig(NamedTuple):
   vespo_k_neg: float = 3.0  # VESPO kernel exponent for A < 0
   vespo_lambda_neg: float = 2.0  # VESPO kernel decay for A < 0
   off_policy_mask_threshold: float | None = None  # δ of L.off_policy_sequence_mask (None: off)
+  router_aux_coef: float = 0.0  # MoE router load-balancing loss in the loss (0: off)
 
 
 def policy_loss_args(cfg):
@@ -98,7 +99,7 @@ def policy_loss(params, graphdef, batch, cfg):
   Returns:
     (loss [], metrics dict of [] float32).
   """
-  logp, entropy = common.token_logprobs(
+  logp, entropy, *router = common.token_logprobs(
     graphdef,
     params,
     batch.tokens,
@@ -107,12 +108,19 @@ def policy_loss(params, graphdef, batch, cfg):
     temperature=cfg.temperature,
     chunk_size=cfg.chunk_size,
     with_entropy=True,
+    with_router_loss=bool(cfg.router_aux_coef),
   )
   stop = jax.lax.stop_gradient
   m_all = batch.loss_mask
+  real_share = 1.0
   if batch.packed is None:
     held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
   else:
+    # The router loss of a micro-batch is over its own tokens: weighed by
+    # its share of the minibatch's real tokens (exact for one micro-batch).
+    real_share = jnp.sum(batch.mask & batch.packed.select[:, None]) / jnp.maximum(
+      jnp.sum(batch.mask), 1
+    )
     # Sequences of other micro-batches: the behaviour logprobs stand in for
     # theirs (ratio 1, every term finite), and their terms are zeroed.
     held = batch.packed.select[:, None]
@@ -150,6 +158,9 @@ def policy_loss(params, graphdef, batch, cfg):
   own = lambda x: jnp.where(held, x, 0.0)
   loss = L.aggregate_loss(own(total), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm)
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
+  if cfg.router_aux_coef:
+    loss = loss + cfg.router_aux_coef * real_share * router[0]
+    metrics['actor/router_loss'] = stop(router[0])
   metrics['actor/pg_loss'] = L.aggregate_loss(
     own(stop(pg)), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm
   )
@@ -261,6 +272,7 @@ def loss_config(rl):
     vespo_k_neg=rl.vespo_k_neg,
     vespo_lambda_neg=rl.vespo_lambda_neg,
     off_policy_mask_threshold=rl.off_policy_mask_threshold or None,
+    router_aux_coef=rl.router_aux_coef,
   )
 
 

@@ -305,7 +305,7 @@ def test_critic_values_and_value_loss_are_the_same_packed_and_padded(batch_name)
     returns=f32(rng.normal(0.0, 1.0, tokens.shape)),
     old_values=f32(np.asarray(want) + rng.normal(0.0, 0.1, tokens.shape)),
   )
-  grad = jax.value_and_grad(ppo.value_loss_fn, has_aux=True)
+  grad = jax.jit(jax.value_and_grad(ppo.value_loss_fn, has_aux=True), static_argnums=(1, 3))
   (loss, _), grads = grad(params, graphdef, batch, 0.2)
   (loss_p, _), grads_p = grad(params, graphdef, batch._replace(packed=packed), 0.2)
   np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-5, atol=1e-6)
@@ -341,7 +341,7 @@ def test_sft_loss_and_gradients_are_the_same_packed_and_padded(model):
   loss_fn = lambda p, b: sft.sft_loss(p, graphdef, b)
   assert_same_loss_and_grads(loss_fn, params, batch, packed)
   # Micro-batches of one row: the NLL and its gradient add up.
-  grad = jax.value_and_grad(loss_fn, has_aux=True)
+  grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   (want, _), grads = grad(params, batch)
   parts = [grad(params, batch._replace(packed=p)) for p in micro_parts(tokens, mask, 24, 24)]
   assert len(parts) >= 2
