@@ -369,6 +369,35 @@ def _assert_bit_exact(a, b):
 
 
 @pytest.mark.parametrize('name', FAMILIES)
+def test_scalar_head_is_each_familys_sequence_classification(ref, tmp_path, name):
+  """A reward model or critic of each family (the backbone with a scalar
+  head): saved as its family's *ForSequenceClassification, read back by
+  transformers, per-token and last-token scores equal jrl's to 1e-4."""
+  path, _ = ref[name]
+  critic = hf.load(path, lm_head=False, scalar_head=True, head_key=jax.random.PRNGKey(3))
+  out = str(tmp_path / 'rm')
+  hf.save(out, critic.config, critic.params, hf_config=critic.hf_config)
+  rm = transformers.AutoModelForSequenceClassification.from_pretrained(
+    out, attn_implementation='eager', pad_token_id=0
+  ).eval()
+  assert type(rm).__name__.endswith('ForSequenceClassification'), type(rm)
+  assert rm.config.num_labels == 1
+  again = hf.load(out, lm_head=False, scalar_head=True)
+  _assert_bit_exact(hf.to_host(again.params), hf.to_host(critic.params))
+  # Unpadded rows of real tokens (id 0 is the pad id HF pools with).
+  tokens = np.random.default_rng(5).integers(1, critic.config.vocab_size, (2, T)).astype(np.int32)
+  mask = np.ones_like(tokens)
+  with torch.no_grad():
+    hidden = rm.model(input_ids=torch.as_tensor(tokens, dtype=torch.long)).last_hidden_state
+    per_token = rm.score(hidden)[..., 0].numpy()
+  pooled = _hf_out(rm, tokens, mask).logits[:, 0].numpy()
+  values = np.asarray(models.values(critic.graphdef, critic.params, jnp.asarray(tokens)))
+  assert np.abs(per_token).max() > 0.01
+  np.testing.assert_allclose(values, per_token, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(values[:, -1], pooled, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', FAMILIES)
 def test_save_load_is_bit_exact_and_read_by_transformers(ref, loaded, tmp_path, name):
   path, model = ref[name]
   ckpt = loaded[name]
