@@ -141,8 +141,24 @@ def with_packed(batch, packer):
   unchanged when `packer` is None."""
   if packer is None:
     return batch
-  pack = packer.split if packer.budget else packer
-  return batch._replace(packed=pack(distributed.fetch(batch.tokens), distributed.fetch(batch.mask)))
+  return batch._replace(
+    packed=packer.for_step(distributed.fetch(batch.tokens), distributed.fetch(batch.mask))
+  )
+
+
+def held_mask(loss_mask_BxT, packed):
+  """(held, the loss mask of the tokens held): with a micro-batch's `packed`
+  held is its [B, 1] `select` and the mask is cut to it; without packing (or
+  one packed batch's rows) held is None and the mask is unchanged."""
+  if packed is None:
+    return None, loss_mask_BxT
+  held = packed.select[:, None]
+  return held, loss_mask_BxT & held
+
+
+def only_held(x_BxT, held, fill=0.0):
+  """`x` on the sequences held (`held_mask`), `fill` on the others."""
+  return x_BxT if held is None else jnp.where(held, x_BxT, fill)
 
 
 class Packer:
@@ -170,6 +186,11 @@ class Packer:
     host = packing.pack_padded(tokens_BxT, mask_BxT, self.row_len, self.multiple)
     self.last = packing.efficiency(mask_BxT, [host])
     return self._place(host)
+
+  def for_step(self, tokens_BxT, mask_BxT):
+    """What a step takes: the micro-batches (`split`) with a token budget,
+    else the whole batch's PackedInputs."""
+    return self.split(tokens_BxT, mask_BxT) if self.budget else self(tokens_BxT, mask_BxT)
 
   def split(self, tokens_BxT, mask_BxT):
     """A list of PackedInputs on the device: micro-batches of the token

@@ -124,8 +124,7 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       idx = jnp.asarray(order)
       mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], sharding), full)
       if packer is not None:
-        pack = packer.split if packer.budget else packer
-        mini = mini._replace(packed=pack(host_tokens[order], host_mask[order]))
+        mini = mini._replace(packed=packer.for_step(host_tokens[order], host_mask[order]))
         efficiency.append((*packer.last, len(mini.packed) if packer.budget else 1))
       state, um = step(state, mini)
       results.append(um)

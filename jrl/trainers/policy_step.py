@@ -112,21 +112,11 @@ def policy_loss(params, graphdef, batch, cfg):
   )
   stop = jax.lax.stop_gradient
   m_all = batch.loss_mask
-  real_share = 1.0
-  if batch.packed is None:
-    held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
-  else:
-    # The router loss of a micro-batch is over its own tokens: weighed by
-    # its share of the minibatch's real tokens (exact for one micro-batch).
-    real_share = jnp.sum(batch.mask & batch.packed.select[:, None]) / jnp.maximum(
-      jnp.sum(batch.mask), 1
-    )
-    # Sequences of other micro-batches: the behaviour logprobs stand in for
-    # theirs (ratio 1, every term finite), and their terms are zeroed.
-    held = batch.packed.select[:, None]
-    m = m_all & held
-    logp = jnp.where(held, logp, stop(batch.old_logp))
-    entropy = jnp.where(held, entropy, 0.0)
+  held, m = common.held_mask(m_all, batch.packed)
+  # Sequences of other micro-batches: the behaviour logprobs stand in for
+  # theirs (ratio 1, every term finite), and their terms are zeroed.
+  logp = common.only_held(logp, held, stop(batch.old_logp))
+  entropy = common.only_held(entropy, held)
   pg, metrics = L.policy_loss_by_name(
     cfg.policy_loss, logp, batch.old_logp, batch.advantages, m, policy_loss_args(cfg)
   )
@@ -155,10 +145,14 @@ def policy_loss(params, graphdef, batch, cfg):
     total = total + cfg.kl_coef * kl
   if cfg.entropy_coef:
     total = total + cfg.entropy_coef * L.entropy_loss(entropy, m)
-  own = lambda x: jnp.where(held, x, 0.0)
+  own = lambda x: common.only_held(x, held)
   loss = L.aggregate_loss(own(total), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm)
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
   if cfg.router_aux_coef:
+    # A micro-batch's router loss is over its own tokens: weighed by its
+    # share of the minibatch's real tokens (exact for one micro-batch).
+    real_mask = batch.mask if held is None else batch.mask & held
+    real_share = jnp.sum(real_mask) / jnp.maximum(jnp.sum(batch.mask), 1)
     loss = loss + cfg.router_aux_coef * real_share * router[0]
     metrics['actor/router_loss'] = stop(router[0])
   metrics['actor/pg_loss'] = L.aggregate_loss(

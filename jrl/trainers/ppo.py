@@ -62,16 +62,12 @@ def value_loss_fn(params, graphdef, batch, value_clip):
   micro-batch `batch.packed.select` holds (as `policy_step.policy_loss`)."""
   v = critic_values(graphdef, params, batch.tokens, batch.mask, batch.packed)
   m_all = batch.loss_mask
-  if batch.packed is None:
-    held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
-  else:
-    held = batch.packed.select[:, None]
-    m = m_all & held
-    v = jnp.where(held, v, jax.lax.stop_gradient(batch.old_values))
+  held, m = common.held_mask(m_all, batch.packed)
+  v = common.only_held(v, held, jax.lax.stop_gradient(batch.old_values))
   per_token, metrics = L.value_loss(
     v, batch.old_values, batch.returns, m, clip_eps=value_clip or None
   )
-  loss = L.token_mean(jnp.where(held, per_token, 0.0), m_all)
+  loss = L.token_mean(common.only_held(per_token, held), m_all)
   return loss, {f'critic/{k}': v for k, v in metrics.items()}
 
 

@@ -27,12 +27,9 @@ def sft_loss(params, graphdef, batch, chunk_size=1024):
     graphdef, params, batch.tokens, batch.mask, batch.packed, chunk_size=chunk_size
   )
   m_all = batch.loss_mask
-  if batch.packed is None:
-    held, m = jnp.ones(m_all.shape[:1], bool)[:, None], m_all
-  else:
-    held = batch.packed.select[:, None]
-    m = m_all & held
-  loss = -L.token_mean(jnp.where(held, logp, 0.0), m_all)
+  _, m = common.held_mask(m_all, batch.packed)
+  # logp is 0 off the sequences held: their terms are 0.
+  loss = -L.token_mean(logp, m_all)
   share = jnp.sum(m) / jnp.maximum(jnp.sum(m_all), 1)
   return loss, {'sft/nll': jax.lax.stop_gradient(loss), TOKEN_SHARE: share}
 
