@@ -92,6 +92,9 @@ def base():
   #   'dots_no_batch'  the projection outputs, not the [B, H, T, T] scores and probabilities
   c.model.remat = 'none'
   c.model.scan_layers = False  # run the layers in one jax.lax.scan (needs every layer alike)
+  # Attention kernel of the training passes: 'auto' (XLA on CPU, cuDNN flash attention on
+  # GPU in bf16/fp16, Pallas splash attention on TPU), or one of 'xla', 'cudnn', 'splash'.
+  c.model.attention = 'auto'
   # LoRA (Hu et al., 2021): train low-rank adapters on the projections, the base frozen
   # (no update, no optimiser state). `export_hf` writes the merged weights and, in
   # hf_export/adapter/, the adapters in PEFT's layout (for the base at `model.path`).

@@ -152,3 +152,27 @@ def batch_sharding(mesh, ndim=2):
 
 def replicated(mesh):
   return NamedSharding(mesh, P())
+
+
+class on_mesh:
+  """`fn` called under `jax.set_mesh(mesh)`, so the code it traces knows its
+  mesh (`jax.sharding.get_abstract_mesh()`): attention then runs kernels that
+  `jax.jit` does not partition (TPU splash attention) once per shard. Only
+  the calls are scoped: other threads and meshes (a rollout mesh of its own)
+  are not affected. The context is part of jit's cache key, so the same
+  jitted function called with and without it compiles twice. Attributes of
+  `fn` (`_cache_size`, ...) read through; `lower` lowers under the mesh."""
+
+  def __init__(self, mesh, fn):
+    self.mesh, self.fn = mesh, fn
+
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.fn(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*args, **kwargs)
+
+  def __getattr__(self, name):
+    return getattr(self.fn, name)

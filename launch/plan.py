@@ -28,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jrl import costmodel
+from jrl.data import packing
 from jrl.models.config import ModelConfig
 
 MEMORY_HEADROOM = 0.9  # plan to use at most this share of a chip's memory
@@ -248,6 +249,8 @@ def tokens_line(times, workload):
   w = workload
   rows = f'packed rows of {w.row_len}' if w.packing else f'padded rows of {w.seq_len}'
   if w.micro_batch_tokens:
+    shorter = ', '.join(str(n) for n in packing.row_len_buckets(w.row_len)[1:])
+    rows += f' (or {shorter})' if shorter else ''
     rows += f', micro-batches of {w.micro_batch_tokens} tokens per shard'
   return (
     f'tokens per pass over a step: {real:,} real, {run:,} run ({rows}); '

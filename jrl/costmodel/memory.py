@@ -14,7 +14,7 @@ def memory(model, workload, layout, lengths=None):
   moments, a reference copy when `workload.reference`. Activations are those
   of one micro-batch kept for the backward pass, plus one chunk of float32
   logits, for one micro-batch per batch shard (`micro_batch`: padded rows
-  of `seq_len`, or packed rows of `row_len` within `micro_batch_tokens`).
+  of `seq_len`, or packed rows of at most `row_len` within `micro_batch_tokens`).
   The KV pool holds every slot's worst case
   (shared prompt pages once per group, as `jrl.sampler.pages_needed`), split
   over the rollout tensor degree; with separate rollout chips they also

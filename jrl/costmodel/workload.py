@@ -135,9 +135,9 @@ class Tokens(NamedTuple):
   proximal pass, or one epoch of the update)."""
 
   real: int  # prompt + response tokens of every sequence
-  run: int  # tokens the model runs on: rows x row_len
+  run: int  # tokens the model runs on: rows x their row length
   rows: int  # rows run, over all minibatches
-  row_len: int  # tokens per row
+  row_len: int  # tokens per row (the longest, with micro-batches)
   most_rows: int  # rows of the largest minibatch
   micro_batches: int  # forward (and backward) calls, over all minibatches
 
@@ -155,9 +155,9 @@ def tokens_run(workload, lengths=None, shards=1):
   `row_len` tokens by first-fit-decreasing, and the row count is
   `row_count(bins, shards, most=minibatch rows)`, as the trainer's packer
   (`jrl.trainers.common.Packer`, `jrl.data.packing.pack_padded`) does it.
-  With `micro_batch_tokens`, the rows are cut into micro-batches of
-  `shards · (micro_batch_tokens // row_len)` rows, each rounded by
-  `row_count` (`jrl.data.packing.micro_batches`). The trainer shuffles the
+  With `micro_batch_tokens`, micro-batches of at most that many tokens per
+  shard, the shorter sequences' in shorter rows, each row count rounded by
+  `row_count` (`jrl.data.packing.micro_batch_plan`). The trainer shuffles the
   rows into minibatches each epoch; consecutive slices stand in for that.
 
   Args:
@@ -179,27 +179,28 @@ def tokens_run(workload, lengths=None, shards=1):
     n_mb = -(-w.rows // minibatch)
     return Tokens(sum(seqs), w.rows * w.seq_len, w.rows, w.seq_len, minibatch, n_mb)
   parts = _packed_rows(seqs, w.row_len, minibatch, max(1, int(shards)), w.micro_batch_tokens)
-  rows = [sum(p) for p in parts]
+  rows = [sum(r for r, _ in p) for p in parts]
+  run = sum(r * length for p in parts for r, length in p)
   n_micro = sum(len(p) for p in parts)
-  return Tokens(sum(seqs), sum(rows) * w.row_len, sum(rows), w.row_len, max(rows), n_micro)
+  return Tokens(sum(seqs), run, sum(rows), w.row_len, max(rows), n_micro)
 
 
 @functools.lru_cache(maxsize=64)
 def _packed_rows(seqs, row_len, minibatch, shards, budget):
-  """((rows of each micro-batch) of each minibatch) for sequence lengths
-  `seqs`, micro-batches of `budget` tokens per shard (0: the minibatch in
-  one, `jrl.data.packing.micro_batch_rows`); cached, as the planner asks the
-  same question for every layout."""
+  """(((rows, row length) of each micro-batch) of each minibatch) for
+  sequence lengths `seqs`, micro-batches of `budget` tokens per shard (0: the
+  minibatch in one; `jrl.data.packing.micro_batch_plan`); cached, as the
+  planner asks the same question for every layout."""
   # Imported here: jrl.data's package init loads the data pipeline (grain).
   from jrl.data import packing
 
   out = []
   for k in range(0, len(seqs), minibatch):
     mini = seqs[k : k + minibatch]
-    n_bins = len(packing.first_fit_decreasing(mini, row_len))
     if not budget:
-      out.append((packing.row_count(n_bins, shards, most=len(mini)),))
+      n_bins = len(packing.first_fit_decreasing(mini, row_len))
+      out.append(((packing.row_count(n_bins, shards, most=len(mini)), row_len),))
     else:
-      split = packing.micro_batch_rows(n_bins, row_len, budget, shards)
-      out.append(tuple(rows for _, rows in split))
+      plan = packing.micro_batch_plan(mini, row_len, budget, shards)
+      out.append(tuple((rows, length) for _, length, rows in plan))
   return tuple(out)

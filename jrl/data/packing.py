@@ -266,11 +266,81 @@ def pack_padded(tokens_BxT, mask_BxT, row_len, multiple=1):
   return _inputs(tokens_BxT, n_B, bins, row_len, r)
 
 
-def micro_batches(tokens_BxT, mask_BxT, row_len, budget, multiple=1):
-  """The batch packed as `pack_padded` does, its rows then split into
-  micro-batches of at most `budget` tokens per batch shard: each holds
-  `multiple · (budget // row_len)` consecutive rows of the first-fit-
-  decreasing packing (the last one fewer, its row count from `row_count`).
+def row_len_buckets(row_len, smallest=16):
+  """The row lengths a micro-batch may use: `row_len` and those of its half,
+  quarter and eighth that are multiples of 8 tokens and at least `smallest`
+  (1024 -> 1024, 512, 256, 128, every one a whole number of TPU splash
+  tiles; 24 -> 24 alone). A few static lengths: compiles stay bounded."""
+  row_len = int(row_len)
+  out = [row_len]
+  for part in (2, 4, 8):
+    if row_len % (8 * part) == 0 and row_len // part >= smallest:
+      out.append(row_len // part)
+  return tuple(out)
+
+
+def micro_batch_plan(lengths, row_len, budget, multiple=1, row_lens=None):
+  """How `micro_batches` splits sequences of `lengths` tokens: a list of
+  (bins, L, rows), one per micro-batch in order, where bins are its packed
+  rows (lists of sequence indices), L its row length and rows the static row
+  count it runs (`row_count`, a multiple of `multiple`).
+
+  The sequences are packed first-fit-decreasing into rows of L tokens, the
+  smallest of `row_lens` that holds the longest, and each micro-batch takes
+  the next `multiple · (budget // L)` rows, at most `budget` tokens per batch
+  shard. Once the sequences left would fit shorter rows, they are packed
+  again at the shorter length if that runs no more tokens (rows x L, with
+  the row counts' rounding) than going on with the rows of L: so a batch's
+  short tail gets short rows (less padding, and attention costs rows · L²),
+  and the buckets never add tokens. Depends only on the lengths.
+
+  Args:
+    lengths: [B] tokens per sequence.
+    row_len: the longest row, ≥ every length.
+    budget: tokens per micro-batch and batch shard, ≥ `row_len`.
+    multiple: the batch shards.
+    row_lens: the row lengths to choose from (default `row_len_buckets`).
+  """
+  if budget < row_len:
+    raise ValueError(f'the micro-batch token budget {budget} is less than a row ({row_len}).')
+  lens = sorted({int(x) for x in (row_len_buckets(row_len) if row_lens is None else row_lens)})
+  if lens[-1] != row_len:
+    raise ValueError(f'the longest row bucket {lens[-1]} is not the row length {row_len}.')
+  n = [int(x) for x in lengths]
+  return _plan(n, list(range(len(n))), lens, budget, multiple)
+
+
+def _plan(n, left, lens, budget, multiple):
+  """`micro_batch_plan` of the sequences `left` (indices into lengths n)."""
+  if not left:
+    return []
+  length = bucket(max(n[i] for i in left), lens)
+  per = multiple * (budget // length)
+  bins = [[left[j] for j in row] for row in first_fit_decreasing([n[i] for i in left], length)]
+  chunks = [
+    (bins[k : k + per], length, row_count(len(bins[k : k + per]), multiple, most=per))
+    for k in range(0, len(bins), per)
+  ]
+  for c in range(1, len(chunks)):
+    rest = sorted(i for chunk, _, _ in chunks[c:] for row in chunk for i in row)
+    if bucket(max(n[i] for i in rest), lens) < length:
+      again = _plan(n, rest, lens, budget, multiple)
+      if _tokens(again) <= _tokens(chunks[c:]):
+        return chunks[:c] + again
+      break
+  return chunks
+
+
+def _tokens(plan):
+  """Tokens a plan runs: rows x row length, summed."""
+  return sum(rows * length for _, length, rows in plan)
+
+
+def micro_batches(tokens_BxT, mask_BxT, row_len, budget, multiple=1, row_lens=None):
+  """The sequences of a right-padded batch (as `pack_padded` takes it) in
+  micro-batches of at most `budget` tokens per batch shard, packed by
+  `micro_batch_plan`: rows of `row_len` for the longest sequences, shorter
+  rows (`row_len_buckets`) once the sequences left fit them.
 
   Every sequence is in exactly one micro-batch; the split depends only on
   the lengths (deterministic), and a loss summed over the micro-batches
@@ -278,28 +348,16 @@ def micro_batches(tokens_BxT, mask_BxT, row_len, budget, multiple=1):
 
   Args:
     budget: tokens per micro-batch and batch shard, ≥ `row_len`.
+    row_lens: as `micro_batch_plan`.
 
   Returns:
     list of PackedInputs (NumPy), each with its `select`.
   """
   n_B = sequence_lengths(mask_BxT)
-  bins = first_fit_decreasing(n_B, row_len)
-  out, k = [], 0
-  for held, rows in micro_batch_rows(len(bins), row_len, budget, multiple):
-    out.append(_inputs(tokens_BxT, n_B, bins[k : k + held], row_len, rows))
-    k += held
-  return out
-
-
-def micro_batch_rows(n_rows, row_len, budget, multiple=1):
-  """The split of `n_rows` packed rows into micro-batches of at most
-  `budget` tokens per batch shard: [(rows held, rows run)] in order, rows
-  run from `row_count` (a multiple of `multiple`)."""
-  if budget < row_len:
-    raise ValueError(f'the micro-batch token budget {budget} is less than a row ({row_len}).')
-  per = multiple * (budget // row_len)
-  held = [min(per, n_rows - k) for k in range(0, n_rows, per)]
-  return [(n, row_count(n, multiple, most=per)) for n in held]
+  return [
+    _inputs(tokens_BxT, n_B, bins, length, rows)
+    for bins, length, rows in micro_batch_plan(n_B, row_len, budget, multiple, row_lens)
+  ]
 
 
 def unpack_on_device(values_RxL, index_BxT, valid_BxT, fill=0):

@@ -13,6 +13,7 @@ the options, so trainer and sampler compute the same numbers.
 Shapes: B batch, T queries, S keys, H query heads, K kv heads, d head width.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -127,7 +128,8 @@ def causal_attention(
   `implementation` picks the kernel (`jrl.models.attention_kernels`):
   'xla' is `dot_attention` on the dense mask; 'cudnn' the same mask through
   cuDNN flash attention (float16 / bfloat16, no soft-cap); 'splash' the
-  Pallas TPU kernel (interpret mode off TPU: slow, for tests), whose window
+  Pallas TPU kernel (interpret mode off TPU: slow, for tests; under the
+  `jax.set_mesh` mesh in context, if any, one call per shard), whose window
   counts tokens by index — the same as by `positions` when these advance by
   one per token within each sequence, as the defaults do. Real tokens get
   the same outputs from all three; padding queries get finite values that
@@ -151,7 +153,7 @@ def causal_attention(
     impl = implementation
     if impl == 'auto':
       impl = attention_kernels.auto_implementation(
-        dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, softcap=opts.softcap
+        dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, softcap=opts.softcap, batch=q.shape[0]
       )
     if impl == 'xla':
       return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap)
@@ -161,16 +163,17 @@ def causal_attention(
       return attention_kernels.cudnn_attention(q, k, v, allowed, scale=opts.scale, is_causal=True)
     # Splash reads the mask as segments: padding (and masked tokens) in segment 0.
     seg_BxT = jnp.where(mask_BxT, 1 if segment_ids_BxT is None else segment_ids_BxT, 0)
-    return attention_kernels.splash_attention(
-      q,
-      k,
-      v,
-      seg_BxT,
+    kernel_args = dict(
       window=opts.window,
       scale=opts.scale,
       softcap=opts.softcap,
       interpret=jax.default_backend() != 'tpu',
     )
+    mesh = attention_kernels.context_mesh()
+    if mesh is not None and math.prod(mesh.shape.values()) > 1:
+      # A Mosaic kernel is not partitioned by jit: one call per shard.
+      return attention_kernels.sharded_splash_attention(q, k, v, seg_BxT, mesh=mesh, **kernel_args)
+    return attention_kernels.splash_attention(q, k, v, seg_BxT, **kernel_args)
 
   if config is None:
 

@@ -1,14 +1,16 @@
 """Attention kernels of each backend, and the one function that picks among them.
 
 `attention_implementation` maps a backend and the static facts of a layer
-(compute dtype, head width, sequence length, soft-cap) to one of
+(compute dtype, head width, sequence length, soft-cap) and of the program
+(devices, the mesh it is traced under, rows) to one of
 
   'xla'     `jrl.models.attention.dot_attention`: einsums on a dense boolean
             mask; runs everywhere, takes every option.
   'cudnn'   cuDNN flash attention through `jax.nn.dot_product_attention`
             (`cudnn_attention`), on the same boolean mask.
   'splash'  the Pallas TPU splash-attention kernel (`splash_attention`):
-            causal or local mask, segment ids for packing and padding.
+            causal or local mask, segment ids for packing and padding; on a
+            mesh, one call per shard (`sharded_splash_attention`).
 
 `causal_attention(..., implementation='auto')` in `jrl.models.attention`
 asks `auto_implementation` once per layer at trace time. This module imports
@@ -17,15 +19,29 @@ nothing from `jrl.models.attention`, which imports it.
 Shapes: B batch, T queries, S keys, H query heads, K kv heads, d head width.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jrl import parallel
 
 SPLASH_BLOCKS = (512, 256, 128)  # tile sizes tried, largest first; the smallest is the lane width
 
 
 def attention_implementation(
-  backend, *, dtype, head_dim, seq_len, softcap=None, cudnn_max_head_dim=128, devices=1
+  backend,
+  *,
+  dtype,
+  head_dim,
+  seq_len,
+  softcap=None,
+  cudnn_max_head_dim=128,
+  devices=1,
+  mesh_shape=None,
+  batch=None,
 ):
   """'xla', 'cudnn' or 'splash': the fastest kernel that takes this attention.
 
@@ -41,10 +57,14 @@ def attention_implementation(
       an additive bias. Otherwise 'xla'.
     'rocm': 'xla' (no cuDNN).
     'tpu': 'splash' iff `seq_len` is a multiple of the smallest splash tile
-      (128) and the program runs on one device; the kernel takes any dtype,
-      head width, sliding window and soft-cap. A Mosaic kernel is not
-      partitioned by `jax.jit` (it would need a `shard_map` over the batch
-      axes, not written yet), so a sharded program keeps 'xla'.
+      (128) and the kernel can run on every device of the program: the
+      program runs on one device, or it is traced under a jrl mesh
+      (`mesh_shape`, see `splash_partition`) whose batch shards divide
+      `batch`. The kernel takes any dtype, head width, sliding window and
+      soft-cap. A Mosaic kernel is not partitioned by `jax.jit`, so on a mesh
+      `causal_attention` runs it under `shard_map` (`sharded_splash_attention`);
+      a sharded program traced without a mesh (no `jax.set_mesh`, see
+      `jrl.parallel.on_mesh`) keeps 'xla'.
 
   Args:
     backend: `jax.default_backend()` or a platform name.
@@ -54,7 +74,10 @@ def attention_implementation(
     softcap: the layer's score soft-cap, or None.
     cudnn_max_head_dim: the widest head cuDNN flash attention takes on this
       GPU (0: none).
-    devices: devices the program runs on.
+    devices: devices the program runs on (when no mesh is known).
+    mesh_shape: {axis name: size} of the mesh the program is traced under,
+      or None.
+    batch: B, the rows of the attention (needed with a mesh).
   """
   if backend in ('gpu', 'cuda'):
     low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -63,8 +86,43 @@ def attention_implementation(
       return 'cudnn'
     return 'xla'
   if backend == 'tpu':
-    return 'splash' if seq_len % SPLASH_BLOCKS[-1] == 0 and devices == 1 else 'xla'
+    if seq_len % SPLASH_BLOCKS[-1]:
+      return 'xla'
+    if mesh_shape is None:
+      return 'splash' if devices == 1 else 'xla'
+    if math.prod(mesh_shape.values()) == 1:
+      return 'splash'
+    fits = batch is not None and splash_partition(mesh_shape, batch, 1, 1) is not None
+    return 'splash' if fits else 'xla'
   return 'xla'
+
+
+def splash_partition(mesh_shape, batch, heads, kv_heads):
+  """How `sharded_splash_attention` splits the attention over a mesh: the
+  (batch axes, head axis) of its `shard_map`, or None where it cannot.
+
+  Only jrl's meshes (axis names within `jrl.parallel.MESH_AXES`) are split:
+  rows over the batch axes (`parallel.BATCH_AXES`, data x fsdp, as the
+  trainers lay out every batch), which must divide `batch`; query and kv
+  heads over 'tensor' when its size divides both `heads` and `kv_heads`
+  (each shard then holds whole GQA groups), else the heads stay whole on
+  every tensor shard. The expert axis (and tensor, unsplit) hold copies.
+
+  Args:
+    mesh_shape: {axis name: size}.
+    batch, heads, kv_heads: B, H, K.
+
+  Returns:
+    (batch_axes, head_axis): a tuple of mesh axis names and 'tensor' or None.
+  """
+  if not set(mesh_shape) <= set(parallel.MESH_AXES):
+    return None
+  batch_axes = tuple(a for a in parallel.BATCH_AXES if mesh_shape.get(a, 1) > 1)
+  if batch % math.prod(mesh_shape[a] for a in batch_axes):
+    return None
+  tensor = mesh_shape.get('tensor', 1)
+  split_heads = tensor > 1 and heads % tensor == 0 and kv_heads % tensor == 0
+  return batch_axes, ('tensor' if split_heads else None)
 
 
 def cudnn_max_head_dim(device=None):
@@ -79,10 +137,18 @@ def cudnn_max_head_dim(device=None):
   return 256 if major >= 9 else 128 if major >= 8 else 0
 
 
-def auto_implementation(*, dtype, head_dim, seq_len, softcap=None):
-  """`attention_implementation` for `jax.default_backend()` and its first device."""
+def context_mesh():
+  """The mesh the caller traces under (`jax.set_mesh`), or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
+def auto_implementation(*, dtype, head_dim, seq_len, softcap=None, batch=None):
+  """`attention_implementation` for `jax.default_backend()`, its first device
+  and the mesh in context (`context_mesh`)."""
   backend = jax.default_backend()
   max_head_dim = cudnn_max_head_dim() if backend in ('gpu', 'cuda') else 0
+  mesh = context_mesh()
   return attention_implementation(
     backend,
     dtype=dtype,
@@ -91,6 +157,8 @@ def auto_implementation(*, dtype, head_dim, seq_len, softcap=None):
     softcap=softcap,
     cudnn_max_head_dim=max_head_dim,
     devices=jax.device_count(),
+    mesh_shape=None if mesh is None else dict(mesh.shape),
+    batch=batch,
   )
 
 
@@ -240,3 +308,34 @@ def splash_attention(
 
   out_BxHxTxd = jax.vmap(one_row)(q_BxHxTxd, k_BxKxTxd, v_BxKxTxd, seg_BxT)
   return out_BxHxTxd.transpose(0, 2, 1, 3)
+
+
+def sharded_splash_attention(q_BxTxHxd, k_BxTxKxd, v_BxTxKxd, segment_ids_BxT, *, mesh, **kwargs):
+  """`splash_attention` on every shard of `mesh` (a Mesh or AbstractMesh,
+  e.g. `context_mesh()`): a `shard_map` that gives each device its rows and
+  heads (`splash_partition`), so the kernel never sees another shard's rows
+  and the result equals the unsharded call. `kwargs` go to
+  `splash_attention`. Raises ValueError where the mesh cannot split B.
+  """
+  b, _, h, _ = q_BxTxHxd.shape
+  kv_heads = k_BxTxKxd.shape[2]
+  split = splash_partition(dict(mesh.shape), b, h, kv_heads)
+  if split is None:
+    raise ValueError(
+      f'splash attention cannot split {b} rows over mesh {dict(mesh.shape)}: the batch axes '
+      f'{parallel.BATCH_AXES} must divide the rows, and the mesh use only {parallel.MESH_AXES}.'
+    )
+  batch_axes, head_axis = split
+  rows = batch_axes or None
+  heads_spec = P(rows, None, head_axis, None)
+
+  def local(q, k, v, seg):
+    return splash_attention(q, k, v, seg, **kwargs)
+
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(heads_spec, heads_spec, heads_spec, P(rows, None)),
+    out_specs=heads_spec,
+    check_vma=False,
+  )(q_BxTxHxd, k_BxTxKxd, v_BxTxKxd, segment_ids_BxT)

@@ -20,9 +20,10 @@ config (the model code is shared):
 
 `ModelConfig.from_hf(dict)` / `to_hf()` map a Hugging Face `config.json`
 (`config_hf.py`); the fields' value sets and sub-configs are in
-`config_fields.py`. Three fields change how the model trains, not what it
+`config_fields.py`. Four fields change how the model trains, not what it
 computes, and are never written to `config.json`: `remat` (per-layer
-activation checkpointing), `scan_layers` (one `jax.lax.scan` over the layers)
+activation checkpointing), `scan_layers` (one `jax.lax.scan` over the layers),
+`attention_impl` (the attention kernel of the training passes)
 and `lora` (a `LoraConfig`, see `jrl/models/lora.py`). Pass them as
 overrides: `ModelConfig.from_hf(hf, remat='full')`, `hf.load(path, remat=...)`.
 """
@@ -36,6 +37,7 @@ from jrl.models import config_hf
 from jrl.models.config_fields import (
   ACTIVATIONS,
   ARCHITECTURES,
+  ATTENTION_IMPLS,
   DTYPES,
   FAMILIES,
   LAYER_TYPES,
@@ -102,6 +104,9 @@ class ModelConfig:
   # step: a copy of them and of their gradients (SmolLM2-135M: +0.8 GiB temp at 2x256
   # tokens with remat='full'), for a 6x shorter trace; XLA:CPU compiles it no faster.
   scan_layers: bool = False
+  # Attention kernel of the training passes: one of ATTENTION_IMPLS ('auto': by backend,
+  # see jrl/models/attention_kernels.py; the sampler's paged attention is separate).
+  attention_impl: str = 'auto'
   lora: LoraConfig | None = None  # low-rank adapters on the projections (None: off)
 
   def __post_init__(self):
@@ -162,6 +167,10 @@ class ModelConfig:
       )
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'`remat` must be one of {REMAT_POLICIES}, got {self.remat!r}.')
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(
+        f'`attention_impl` must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}.'
+      )
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f'`scan_layers` must be a bool, got {self.scan_layers!r}.')
     if self.scan_layers:

@@ -287,7 +287,7 @@ def hidden_states(
     )
   model = nnx.merge(graphdef, params)
   cfg = model.config
-  attention = causal_attention(mask, positions, cfg, segment_ids)
+  attention = causal_attention(mask, positions, cfg, segment_ids, implementation=cfg.attention_impl)
   hidden, _, router_logits = model(tokens, positions, attention, return_router_logits=True)
   if not with_router_loss:
     return hidden

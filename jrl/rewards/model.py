@@ -17,25 +17,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl import models
+from jrl import models, parallel
 from jrl.models import hf
 
 
 class RewardModel:
   """Batched, jitted scoring with a scalar-head transformer."""
 
-  def __init__(self, graphdef, params, tokenizer, *, max_len=1024, batch_size=32, bucket=64):
+  def __init__(
+    self, graphdef, params, tokenizer, *, max_len=1024, batch_size=32, bucket=64, mesh=None
+  ):
     if max_len < 2 or batch_size < 1 or bucket < 1:
       raise ValueError('`max_len` >= 2, `batch_size` >= 1 and `bucket` >= 1 are required.')
     self.graphdef, self.params, self.tokenizer = graphdef, params, tokenizer
     self.max_len, self.batch_size, self.bucket = max_len, batch_size, bucket
     self._score = jax.jit(functools.partial(models.sequence_scores, graphdef))
+    if mesh is not None:  # the params' mesh: traced under it (attention kernels per shard)
+      self._score = parallel.on_mesh(mesh, self._score)
 
   @classmethod
   def load(cls, path, tokenizer, *, mesh=None, **kwargs):
     """From a Hugging Face `*ForSequenceClassification` directory (needs `score.weight`)."""
     ck = hf.load(path, mesh=mesh, lm_head=False, scalar_head=True)
-    return cls(ck.graphdef, ck.params, tokenizer, **kwargs)
+    return cls(ck.graphdef, ck.params, tokenizer, mesh=mesh, **kwargs)
 
   def encode(self, prompt, completion):
     ids = self.tokenizer.encode(prompt) + self.tokenizer.encode(completion)

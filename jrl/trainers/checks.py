@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 
 from jrl import losses as L
-from jrl.models.config import LORA_TARGETS, REMAT_POLICIES
+from jrl.models.config import ATTENTION_IMPLS, LORA_TARGETS, REMAT_POLICIES
 
 TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
 
@@ -417,6 +417,15 @@ def check_model(model, algorithm):
     raise ValueError(f'`model.remat` must be one of {REMAT_POLICIES}, got {model.remat!r}.')
   if not isinstance(model.scan_layers, bool):
     raise ValueError(f'`model.scan_layers` must be True or False, got {model.scan_layers!r}.')
+  if model.attention not in ATTENTION_IMPLS:
+    raise ValueError(
+      f'`model.attention` must be one of {ATTENTION_IMPLS}, got {model.attention!r}.'
+    )
+  if model.attention == 'cudnn' and jax.default_backend() not in ('gpu', 'cuda'):
+    raise ValueError(
+      f"`model.attention`: 'cudnn' needs a GPU, this run's backend is "
+      f"{jax.default_backend()!r}; use 'auto' or 'xla'."
+    )
   targets = model.lora.targets
   if isinstance(targets, str) or not isinstance(targets, tuple | list) or not targets:
     raise ValueError(

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl import losses as L
+from jrl import parallel
 from jrl.data import PromptStream, read_preference_jsonl
 from jrl.trainers import common, controller, rollout, setup, sft, tasks
 
@@ -161,7 +162,8 @@ def make_steps(config, res, tx, schedule, shardings):
       sequence_logprobs, graphdef, average=d.loss in _AVERAGED, chunk_size=config.rl.chunk_size
     )
   )
-  return Steps(dpo_step, reference)
+  # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+  return Steps(parallel.on_mesh(res.mesh, dpo_step), parallel.on_mesh(res.mesh, reference))
 
 
 def build(config):

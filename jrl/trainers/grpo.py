@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl import losses as L
+from jrl import parallel
 from jrl.trainers import common, controller, online, policy_step, rollout, setup, sft
 
 
@@ -85,7 +86,12 @@ def make_steps(config, res, tx, schedule, shardings, packer=None):
       policy_step.advantages, group_size=rl.group_size, cfg=policy_step.advantage_config(rl)
     )
   )
-  return Steps(rl_step, logprobs_fn(config, res.model.graphdef, packer), advantages)
+  # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+  return Steps(
+    parallel.on_mesh(res.mesh, rl_step),
+    parallel.on_mesh(res.mesh, logprobs_fn(config, graphdef, packer)),
+    advantages,
+  )
 
 
 def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):

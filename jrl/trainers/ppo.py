@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl import losses as L
-from jrl import models
+from jrl import models, parallel
 from jrl.data import packing
 from jrl.models import hf as hf_lib
 from jrl.trainers import common, controller, grpo, online, policy_step, rollout, setup, sft
@@ -207,7 +207,13 @@ def make_steps(config, res, critic_graphdef, optimizers, shardings, packer=None)
     )
   values = common.with_packer(jax.jit(functools.partial(critic_values, critic_graphdef)), packer)
   gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
-  return Steps(ppo_step, grpo.logprobs_fn(config, res.model.graphdef, packer), values, gae)
+  # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+  return Steps(
+    parallel.on_mesh(res.mesh, ppo_step),
+    parallel.on_mesh(res.mesh, grpo.logprobs_fn(config, res.model.graphdef, packer)),
+    parallel.on_mesh(res.mesh, values),
+    gae,
+  )
 
 
 def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):

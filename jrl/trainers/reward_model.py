@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl import distributed, models
+from jrl import distributed, models, parallel
 from jrl import losses as L
 from jrl.data import PromptStream, packing, read_preference_jsonl
 from jrl.trainers import common, controller, setup, tasks
@@ -180,7 +180,9 @@ def build(config):
     donate_argnums=(0,),
     out_shardings=setup.step_shardings(state, res.mesh),
   )
-  steps = Steps(rm_step, jax.jit(functools.partial(models.sequence_scores, rm_graphdef)))
+  scores = jax.jit(functools.partial(models.sequence_scores, rm_graphdef))
+  # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+  steps = Steps(parallel.on_mesh(res.mesh, rm_step), parallel.on_mesh(res.mesh, scores))
   replicated = setup.step_shardings(state, res.mesh)[1]
   packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
 

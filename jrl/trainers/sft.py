@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jrl import distributed
+from jrl import distributed, parallel
 from jrl import losses as L
 from jrl.trainers import common, controller, rollout, setup
 
@@ -108,6 +108,7 @@ def warmup(res, state, make_batch=response_batch):
       donate_argnums=(0,),
       out_shardings=shardings,
     )
+  step = parallel.on_mesh(res.mesh, step)  # attention kernels per shard
   size = config.sft.batch_size
   rows = distributed.local_rows(res.batch_sharding, size)
   stream = res.streams['sft_stream']

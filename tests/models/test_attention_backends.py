@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrl import parallel
 from jrl.models import attention as A
 from jrl.models import attention_kernels as AK
 from jrl.models.config import ModelConfig
 
 TOL = {'rtol': 1e-5, 'atol': 1e-5}
+MESH_4x2 = {'data': 4, 'fsdp': 1, 'expert': 1, 'tensor': 2}
 
 
 def _segments(lengths, t):
@@ -106,7 +108,15 @@ def _out_and_grads(fn, q, k, v, w):
     ('tpu', {'dtype': jnp.float32, 'softcap': 50.0, 'head_dim': 256}, 'splash'),
     ('tpu', {'seq_len': 200}, 'xla'),  # not a multiple of the 128 tile
     ('tpu', {'seq_len': 64}, 'xla'),
-    ('tpu', {'devices': 8}, 'xla'),  # a sharded program: the kernel is not partitioned
+    ('tpu', {'devices': 8}, 'xla'),  # sharded, no mesh known: jit cannot partition the kernel
+    # Traced under a jrl mesh: one kernel call per shard when the batch axes divide B.
+    ('tpu', {'devices': 8, 'mesh_shape': MESH_4x2, 'batch': 8}, 'splash'),
+    ('tpu', {'devices': 8, 'mesh_shape': MESH_4x2, 'batch': 6}, 'xla'),  # 4 shards, 6 rows
+    ('tpu', {'devices': 8, 'mesh_shape': MESH_4x2}, 'xla'),  # rows unknown
+    ('tpu', {'devices': 8, 'mesh_shape': {'x': 8}, 'batch': 8}, 'xla'),  # not a jrl mesh
+    ('tpu', {'devices': 8, 'mesh_shape': {'data': 1, 'tensor': 1}, 'batch': 3}, 'splash'),
+    ('tpu', {'mesh_shape': MESH_4x2, 'batch': 8, 'seq_len': 200}, 'xla'),
+    ('gpu', {'mesh_shape': MESH_4x2, 'batch': 8}, 'cudnn'),  # jit partitions cuDNN itself
   ],
 )
 def test_attention_implementation(backend, kwargs, expected):
@@ -117,6 +127,36 @@ def test_attention_implementation(backend, kwargs, expected):
 def test_auto_implementation_is_xla_on_cpu():
   assert AK.cudnn_max_head_dim() == 0
   assert AK.auto_implementation(dtype=jnp.bfloat16, head_dim=128, seq_len=256) == 'xla'
+
+
+@pytest.mark.parametrize(
+  'mesh_shape, batch, heads, kv_heads, expected',
+  [
+    (MESH_4x2, 8, 4, 2, (('data',), 'tensor')),  # whole GQA groups per tensor shard
+    (MESH_4x2, 8, 4, 1, (('data',), None)),  # one kv head: heads stay whole
+    (MESH_4x2, 8, 6, 3, (('data',), None)),  # 3 kv heads over 2 shards
+    ({'data': 2, 'fsdp': 2, 'expert': 2, 'tensor': 1}, 4, 4, 4, (('data', 'fsdp'), None)),
+    ({'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2}, 12, 4, 4, (('fsdp',), 'tensor')),
+    (MESH_4x2, 6, 4, 2, None),  # rows do not split over 4 shards
+    ({'rows': 2, 'tensor': 4}, 8, 4, 4, None),  # an axis jrl does not lay out
+  ],
+)
+def test_splash_partition(mesh_shape, batch, heads, kv_heads, expected):
+  assert AK.splash_partition(mesh_shape, batch, heads, kv_heads) == expected
+
+
+def test_auto_implementation_reads_the_mesh_in_context(monkeypatch):
+  # The backend is faked to TPU: only the choice is made here, no kernel runs.
+  monkeypatch.setattr(AK.jax, 'default_backend', lambda: 'tpu')
+  args = {'dtype': jnp.bfloat16, 'head_dim': 128, 'seq_len': 256}
+  assert AK.context_mesh() is None
+  assert AK.auto_implementation(**args, batch=8) == 'xla'  # 8 devices, no mesh known
+  with jax.set_mesh(parallel.make_mesh(data=4, tensor=2)):
+    assert dict(AK.context_mesh().shape) == MESH_4x2
+    assert AK.auto_implementation(**args, batch=8) == 'splash'
+    assert AK.auto_implementation(**args, batch=6) == 'xla'
+  with jax.set_mesh(parallel.make_mesh(data=1, devices=jax.devices()[:1])):
+    assert AK.auto_implementation(**args, batch=3) == 'splash'
 
 
 def test_splash_block():
@@ -302,3 +342,88 @@ def test_causal_attention_auto_is_xla_on_cpu():
     np.testing.assert_array_equal(g, h)
   with pytest.raises(ValueError, match='implementation'):
     A.causal_attention(seg > 0, implementation='flash')
+
+
+# ------------------------------------------------ splash on a mesh (shard_map)
+
+
+def _on_mesh(mesh, fn, *args):
+  """fn(*args) jitted under `mesh` (as `parallel.on_mesh` runs the trainers'
+  steps), the arrays laid out as the trainers lay out a batch: rows over
+  data x fsdp."""
+  placed = [jax.device_put(a, parallel.batch_sharding(mesh, a.ndim)) for a in args]
+  return parallel.on_mesh(mesh, jax.jit(fn))(*placed)
+
+
+@pytest.mark.parametrize(
+  'data, tensor, heads, kv_heads, case, window',
+  [
+    (4, 2, 4, 2, 'packed', None),  # rows over data, whole GQA groups over tensor
+    (4, 2, 4, 1, 'packed', 20),  # heads not split (1 kv head): whole on each tensor shard
+    (2, 4, 4, 4, 'padded', None),  # 4 tensor shards of one head each
+    (8, 1, 2, 2, 'packed', 40),
+  ],
+)
+def test_sharded_splash_matches_dot_attention(data, tensor, heads, kv_heads, case, window):
+  mesh = parallel.make_mesh(data=data, tensor=tensor)
+  t, b = 128, 8
+  seg = np.concatenate([_packed(t) if case == 'packed' else _padded(t)] * (b // 2))
+  q, k, v, w = _qkv(t, heads=heads, kv_heads=kv_heads, d=64, b=b)
+  real = jnp.asarray(seg > 0)[:, :, None, None]
+  w = jnp.where(real, w, 0.0)
+  allowed = jnp.asarray(reference_allowed(seg, window, packed=case != 'padded'))
+
+  def sharded(q, k, v, w, seg):
+    kernel = functools.partial(
+      AK.sharded_splash_attention,
+      segment_ids_BxT=seg,
+      mesh=AK.context_mesh(),
+      window=window,
+      scale=0.2,
+      block_size=128,
+      interpret=True,
+    )
+    return _out_and_grads(kernel, q, k, v, w)
+
+  got, got_grads = _on_mesh(mesh, sharded, q, k, v, w, jnp.asarray(seg))
+  xla = functools.partial(A.dot_attention, allowed_BxTxS=allowed, scale=0.2)
+  want, want_grads = _out_and_grads(xla, q, k, v, w)
+  np.testing.assert_allclose(jnp.where(real, got, 0.0), jnp.where(real, want, 0.0), **TOL)
+  for g, h in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, h, **TOL)
+
+
+def test_sharded_splash_refuses_rows_the_mesh_cannot_split():
+  mesh = parallel.make_mesh(data=4, tensor=2)
+  q, k, v, _ = _qkv(128, heads=4, kv_heads=2, d=64, b=6)
+  with pytest.raises(ValueError, match='cannot split 6 rows'):
+    AK.sharded_splash_attention(q, k, v, jnp.ones((6, 128), jnp.int32), mesh=mesh, interpret=True)
+
+
+def test_causal_attention_splash_under_a_mesh_matches_xla():
+  """causal_attention(implementation='splash') traced under a mesh runs the
+  kernel per shard (a bare Mosaic kernel would not partition): both layers
+  (sliding and global, soft-cap) equal the XLA path on real tokens."""
+  mesh = parallel.make_mesh(data=4, tensor=2)
+  config = _config(attn_softcap=2.0)
+  seg = jnp.asarray(np.concatenate([_packed(128)] * 4))
+  q, k, v, _ = _qkv(128, heads=4, kv_heads=2, d=64, b=8)
+  real = (seg > 0)[:, :, None, None]
+
+  def layers(implementation):
+    def run(q, k, v, seg):
+      positions = A.positions_from_segments(seg)
+      attend = A.causal_attention(seg > 0, positions, config, seg, implementation=implementation)
+      return [attend(layer, q, k, v, None)[0] for layer in range(config.num_layers)]
+
+    return _on_mesh(mesh, run, q, k, v, seg)
+
+  for g, h in zip(layers('splash'), layers('xla'), strict=True):
+    np.testing.assert_allclose(jnp.where(real, g, 0.0), jnp.where(real, h, 0.0), **TOL)
+  # In interpret mode jit could partition the kernel's ops itself, so look for the
+  # shard_map: one per layer under the mesh, none without one.
+  attend = A.causal_attention(seg > 0, None, config, seg, implementation='splash')
+  trace = jax.make_jaxpr(lambda q, k, v: attend(0, q, k, v, None)[0])
+  with jax.set_mesh(mesh):
+    assert 'shard_map' in str(trace(q, k, v))
+  assert 'shard_map' not in str(trace(q, k, v))

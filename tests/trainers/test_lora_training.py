@@ -255,7 +255,8 @@ def test_remat_full_matches_no_remat_on_the_first_steps(tmp_path):
 
 
 def test_build_model_passes_remat_scan_and_lora_for_a_checkpoint(tmp_path):
-  """`model.path` gets `model.remat` / `model.scan_layers` and the adapters too."""
+  """`model.path` gets `model.remat` / `model.scan_layers` / `model.attention` and the
+  adapters too."""
   tok = CharTokenizer()
   cfg = models.ModelConfig(
     vocab_size=tok.vocab_size,
@@ -274,6 +275,7 @@ def test_build_model_passes_remat_scan_and_lora_for_a_checkpoint(tmp_path):
       'model.path': path,
       'model.remat': 'dots',
       'model.scan_layers': True,
+      'model.attention': 'xla',
       'model.lora.rank': 2,
       'model.lora.alpha': 4.0,
       'model.lora.targets': ('v_proj', 'q_proj', 'down_proj'),
@@ -282,7 +284,7 @@ def test_build_model_passes_remat_scan_and_lora_for_a_checkpoint(tmp_path):
   mesh = setup.meshes(config)[0]
   model, params = setup.build_model(config, tok, mesh)
   mc = model.config
-  assert (mc.remat, mc.scan_layers) == ('dots', True)
+  assert (mc.remat, mc.scan_layers, mc.attention_impl) == ('dots', True, 'xla')
   assert mc.lora == models.LoraConfig(2, 4.0, ('q_proj', 'v_proj', 'down_proj'))
   adapters, base = lora.split(params)
   assert len(jax.tree.leaves(adapters)) == 2 * 3 * 2
@@ -307,6 +309,8 @@ def test_build_model_passes_remat_scan_and_lora_for_a_checkpoint(tmp_path):
     ({'model.lora.targets': ('q_proj', 'q_proj')}, 'model.lora.targets'),
     ({'model.remat': 'bogus'}, 'model.remat'),
     ({'model.scan_layers': 1}, 'model.scan_layers'),
+    ({'model.attention': 'flash'}, 'model.attention'),
+    ({'model.attention': 'cudnn'}, 'model.attention'),  # a GPU kernel on this CPU
     ({'model.lora.rank': -1}, 'model.lora.rank'),
     ({'model.lora.alpha': 0.0}, 'model.lora.alpha'),
     ({'model.lora.rank': 4, 'algorithm': 'reward_model'}, 'model.lora.rank'),

@@ -22,6 +22,7 @@ import pytest
 from configs import agent_arith, dpo_arith, grpo_arith, ppo_arith, sft_arith
 from jrl import models, trainers
 from jrl.data import packing
+from jrl.models import attention_kernels
 from jrl.trainers import checks, common, dpo, episodes, policy_step, ppo, reward_model, sft
 from tests.helpers import QUIET, SHRINK, records, set_fields, shrunk_config
 
@@ -173,10 +174,11 @@ def test_policy_loss_and_gradients_are_the_same_packed_and_padded(model, name):
   for g, gp in zip(flat, flat_p, strict=True):
     np.testing.assert_allclose(np.asarray(gp), np.asarray(g), rtol=1e-4, atol=1e-5)
 
-  # Token-budget micro-batches (rows of 24, 2 rows each): their losses and
-  # gradients add up to the whole minibatch's, their metrics combine to its.
-  parts = micro_parts(tokens, mask, 24, budget=48)
-  assert len(parts) >= 2
+  # Token-budget micro-batches (2 rows of 24, then the short tail in rows of 8):
+  # their losses and gradients add up to the whole minibatch's, their metrics
+  # combine to its.
+  parts = micro_parts(tokens, mask, 24, budget=48, row_lens=SHORT_ROWS)
+  assert len(parts) >= 2 and {p.tokens.shape[1] for p in parts} == {24, 8}
   losses, grads_m, metrics_m = [], None, []
   for part in parts:
     (loss_i, metrics_i), grads_i = grad(params, graphdef, batch._replace(packed=part), cfg)
@@ -197,11 +199,16 @@ def test_policy_loss_and_gradients_are_the_same_packed_and_padded(model, name):
     )
 
 
-def micro_parts(tokens, mask, row_len, budget, multiple=1):
+def micro_parts(tokens, mask, row_len, budget, multiple=1, row_lens=None):
   return [
     packing.PackedInputs(*map(jnp.asarray, host))
-    for host in packing.micro_batches(tokens, mask, row_len, budget, multiple)
+    for host in packing.micro_batches(tokens, mask, row_len, budget, multiple, row_lens)
   ]
+
+
+# Row lengths for the short tail: the micro-batches of a batch run rows of
+# 24 and of 8 tokens (one compile each).
+SHORT_ROWS = (8, 12, 24)
 
 
 def test_micro_batches_hold_every_sequence_once_within_the_budget():
@@ -225,6 +232,54 @@ def test_micro_batches_hold_every_sequence_once_within_the_budget():
   np.testing.assert_array_equal(held, 1)
   with pytest.raises(ValueError, match='less than a row'):
     packing.micro_batches(tokens, mask, 24, budget=20)
+
+
+def test_row_len_buckets():
+  assert packing.row_len_buckets(1024) == (1024, 512, 256, 128)  # whole splash tiles
+  assert packing.row_len_buckets(64) == (64, 32, 16)
+  assert packing.row_len_buckets(96) == (96, 48, 24)  # 12 is no multiple of 8
+  assert packing.row_len_buckets(24) == (24,)
+
+
+def test_a_short_tail_runs_in_short_rows():
+  # One long sequence and nine short ones, a budget of one row: the long one's
+  # row of 1,024, then the tail in 2 rows of 128 (not a second row of 1,024).
+  lengths = [1000] + [20] * 10
+  plan = packing.micro_batch_plan(lengths, 1024, budget=1024)
+  assert [(len(bins), length, rows) for bins, length, rows in plan] == [(1, 1024, 1), (2, 128, 2)]
+  assert plan[0][0] == [[0, 1]] and sorted(i for row in plan[1][0] for i in row) == list(
+    range(2, 11)
+  )
+  only_long = packing.micro_batch_plan(lengths, 1024, budget=1024, row_lens=(1024,))
+  assert [(length, rows) for _, length, rows in only_long] == [(1024, 1), (1024, 1)]
+
+
+def test_micro_batch_plans_never_run_more_tokens_and_compile_few_shapes():
+  """Random long-tailed batches (mean about a quarter of the longest): every
+  sequence in one row of one micro-batch, within the row and the budget, row
+  lengths from the buckets and never longer than the micro-batch before; the
+  tokens run are at most those of rows of one length; few (rows, L) shapes."""
+  rng = np.random.default_rng(0)
+  for multiple, budget in ((1, 1024), (2, 2048), (4, 4096)):
+    shapes = set()
+    for _ in range(60):
+      lengths = np.minimum(rng.exponential(256, size=int(rng.integers(1, 97))), 1023) + 1
+      lengths = lengths.astype(int).tolist()
+      plan = packing.micro_batch_plan(lengths, 1024, budget, multiple)
+      one_length = packing.micro_batch_plan(lengths, 1024, budget, multiple, row_lens=(1024,))
+      assert packing.micro_batch_plan(lengths, 1024, budget, multiple) == plan
+      held = sorted(i for bins, _, _ in plan for row in bins for i in row)
+      assert held == list(range(len(lengths)))
+      run = [rows * length for _, length, rows in plan]
+      assert sum(run) <= sum(rows * length for _, length, rows in one_length)
+      assert [length for _, length, _ in plan] == sorted((p[1] for p in plan), reverse=True)
+      for bins, length, rows in plan:
+        assert length in (1024, 512, 256, 128)
+        assert all(sum(lengths[i] for i in row) <= length for row in bins)
+        assert len(bins) <= rows and rows % multiple == 0 and rows * length <= budget * multiple
+        shapes.add((rows, length))
+    # Compiles: one per (rows, L), from 4 lengths x a few row counts.
+    assert len(shapes) <= 4 * 6, shapes
 
 
 @pytest.mark.parametrize('loss', ['ppo', 'gspo'])
@@ -258,7 +313,8 @@ def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_row
     params, graphdef, batch._replace(packed=device_packed(tokens, mask, 24)), cfg
   )
   parts = [
-    grad(params, graphdef, batch._replace(packed=p), cfg) for p in micro_parts(tokens, mask, 24, 24)
+    grad(params, graphdef, batch._replace(packed=p), cfg)
+    for p in micro_parts(tokens, mask, 24, 24, row_lens=SHORT_ROWS)
   ]
   assert len(parts) >= 2
   np.testing.assert_allclose(float(packed), float(want), rtol=1e-5, atol=1e-6)
@@ -343,7 +399,10 @@ def test_sft_loss_and_gradients_are_the_same_packed_and_padded(model):
   # Micro-batches of one row: the NLL and its gradient add up.
   grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   (want, _), grads = grad(params, batch)
-  parts = [grad(params, batch._replace(packed=p)) for p in micro_parts(tokens, mask, 24, 24)]
+  parts = [
+    grad(params, batch._replace(packed=p))
+    for p in micro_parts(tokens, mask, 24, 24, row_lens=SHORT_ROWS)
+  ]
   assert len(parts) >= 2
   np.testing.assert_allclose(sum(float(p[0][0]) for p in parts), float(want), rtol=1e-5)
   np.testing.assert_allclose(sum(float(p[0][1][sft.TOKEN_SHARE]) for p in parts), 1.0, rtol=1e-6)
@@ -504,3 +563,31 @@ def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, monkeypatch, name
   assert packed['throughput/micro_batches'] >= 2
   assert 0 < packed['throughput/real_token_frac_packed'] <= 1
   assert 0 < packed['throughput/real_token_frac_padded'] <= 1
+
+
+def test_splash_attention_trains_as_the_xla_path(tmp_path, monkeypatch):
+  """`model.attention='splash'` on a 4 data x 2 tensor mesh: the trainer
+  traces its steps under the mesh (`parallel.on_mesh`), so the kernel runs
+  once per shard (Pallas interpret mode on the CPU); packed rows of 128
+  tokens. One SFT step logs the XLA path's loss and gradient norm."""
+  meshes = []
+  sharded = attention_kernels.sharded_splash_attention
+
+  def counted(*args, mesh, **kwargs):
+    meshes.append(dict(mesh.shape))
+    return sharded(*args, mesh=mesh, **kwargs)
+
+  monkeypatch.setattr(attention_kernels, 'sharded_splash_attention', counted)
+  logged = {}
+  for attention in ('xla', 'splash'):
+    workdir = tmp_path / attention
+    overrides = {**SHRINK, **QUIET, **ONLINE, 'workdir': str(workdir), 'rl.steps': 0}
+    overrides.update({'sft.steps': 1, 'model.attention': attention, 'rl.packing': True})
+    overrides.update({'rl.pack_row_len': 128, 'model.head_dim': 16})
+    trainers.run(set_fields(sft_arith.get_config(), overrides))
+    logged[attention] = records(str(workdir))[-1]
+  for key in ('sft/nll', 'sft/grad_norm'):
+    assert logged['xla'][key] > 0, key
+    np.testing.assert_allclose(logged['splash'][key], logged['xla'][key], rtol=1e-5, err_msg=key)
+  # Traced per shard on the run's mesh (in interpret mode jit could split the bare kernel).
+  assert meshes and all(m['data'] == 4 and m['tensor'] == 2 for m in meshes)
