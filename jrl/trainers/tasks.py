@@ -162,9 +162,12 @@ class Encoder:
     )
 
   def prompt_ids(self, prompt):
+    """Token ids of the prompt; with `add_bos` one BOS first, unless the chat
+    template already wrote it (Gemma's does), so no family gets two."""
     ids = self.tokenizer.encode(self.prompt_text(prompt))
-    if self.add_bos and self.tokenizer.bos_id is not None:
-      ids = [self.tokenizer.bos_id, *ids]
+    bos = self.tokenizer.bos_id
+    if self.add_bos and bos is not None and ids[:1] != [bos]:
+      ids = [bos, *ids]
     return ids
 
 
