@@ -1047,26 +1047,28 @@ def bench_micro_batches(
   from jrl.trainers import common, policy_step
 
   row_len = args.row_len or args.max_len
-  hosts = packing.micro_batches(tokens, mask, row_len, args.micro_tokens)
-  parts = [packing.PackedInputs(*map(jnp.asarray, h)) for h in hosts]
   cfg = policy_step.PolicyLossConfig(chunk_size=1024)
   grads = jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, cfg=cfg))
   apply = jax.jit(functools.partial(policy_step.apply_update, tx=tx, schedule=schedule))
   step = common.MicroBatchedStep(
     grads, apply, policy_step.ADDITIVE_METRICS, policy_step.TOKEN_SHARE
   )
-  data = batch._replace(packed=parts)
-  temps = [
-    grads.lower(state, batch._replace(packed=p)).compile().memory_analysis().temp_size_in_bytes
-    for p in parts
-  ]
-  sec = _median_seconds(lambda s, d: step(s, d)[0], (state, data), args.repeats)
-  print(
-    f'  micro   {1e3 * sec:9.1f} ms/step  {real / sec:8.0f} real tokens/s  MFU (real '
-    f'tokens) {100 * flops / sec / peak:5.1f}%  ({len(parts)} micro-batches of at most '
-    f'{args.micro_tokens} tokens: rows {[p.tokens.shape[0] for p in parts]}; XLA temporaries '
-    f'of the largest {max(temps) / 2**20:.0f} MiB)'
-  )
+  # With the row-length buckets (the trainer's split), then with rows of one length.
+  for name, row_lens in (('micro', None), ('micro/1L', (row_len,))):
+    hosts = packing.micro_batches(tokens, mask, row_len, args.micro_tokens, row_lens=row_lens)
+    parts = [packing.PackedInputs(*map(jnp.asarray, h)) for h in hosts]
+    data = batch._replace(packed=parts)
+    temps = [
+      grads.lower(state, batch._replace(packed=p)).compile().memory_analysis().temp_size_in_bytes
+      for p in parts
+    ]
+    sec = _median_seconds(lambda s, d: step(s, d)[0], (state, data), args.repeats)
+    print(
+      f'  {name:8s} {1e3 * sec:8.1f} ms/step  {real / sec:8.0f} real tokens/s  MFU (real '
+      f'tokens) {100 * flops / sec / peak:5.1f}%  ({len(parts)} micro-batches of at most '
+      f'{args.micro_tokens} tokens: rows x length {[p.tokens.shape for p in parts]}; XLA '
+      f'temporaries of the largest {max(temps) / 2**20:.0f} MiB)'
+    )
 
 
 def main(argv=None):
