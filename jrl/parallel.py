@@ -175,4 +175,6 @@ class on_mesh:
       return self.fn.lower(*args, **kwargs)
 
   def __getattr__(self, name):
+    if name in ('mesh', 'fn'):  # not set yet (a copy being built): no recursion
+      raise AttributeError(name)
     return getattr(self.fn, name)

@@ -347,6 +347,30 @@ def test_causal_attention_auto_is_xla_on_cpu():
 # ------------------------------------------------ splash on a mesh (shard_map)
 
 
+def test_on_mesh_scopes_the_mesh_to_its_calls():
+  """`parallel.on_mesh`: the traced code sees the mesh, the caller does not
+  before or after; jit's attributes read through, `lower` lowers under the
+  mesh, and a copy of the wrapper works."""
+  import copy
+
+  mesh = parallel.make_mesh(data=4, tensor=2)
+  seen = []
+
+  def fn(x):
+    seen.append(AK.context_mesh())
+    return x + 1
+
+  wrapped = parallel.on_mesh(mesh, jax.jit(fn))
+  assert int(wrapped(1)) == 2 and AK.context_mesh() is None
+  assert dict(seen[-1].shape) == MESH_4x2
+  assert wrapped._cache_size() == 1
+  wrapped(2)
+  assert wrapped._cache_size() == 1 and len(seen) == 1  # traced once
+  wrapped.lower(jnp.float32(1.0))
+  assert dict(seen[-1].shape) == MESH_4x2 and AK.context_mesh() is None
+  assert int(copy.copy(wrapped)(3)) == 4
+
+
 def _on_mesh(mesh, fn, *args):
   """fn(*args) jitted under `mesh` (as `parallel.on_mesh` runs the trainers'
   steps), the arrays laid out as the trainers lay out a batch: rows over
