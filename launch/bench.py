@@ -130,6 +130,17 @@ def compile_seconds():
 
 
 MODEL_SIZES = {
+  # ~0.1M parameters: checks that a bench runs end to end (the tests), not a measurement.
+  'cpu-tiny': dict(
+    vocab_size=512,
+    width=64,
+    mlp_width=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    tie_embeddings=True,
+  ),
   # ~22M parameters (tied 8k vocabulary): sized for a 2-core CPU.
   'cpu-20m': dict(
     vocab_size=8192,

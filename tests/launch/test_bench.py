@@ -128,10 +128,16 @@ def test_update_bench_packs_a_long_tailed_batch_into_fewer_rows(capsys):
   lengths = bench.long_tailed_lengths(64, 512, 0.25, seed=0)
   assert lengths.max() == 512 and lengths.min() >= 16
   assert 0.2 * 512 < lengths.mean() < 0.3 * 512
-  bench.main(['update', '--size', 'cpu-20m', '--batch', '8', '--max_len', '64', '--repeats', '1'])
+  argv = ['update', '--size', 'cpu-tiny', '--batch', '8', '--max_len', '64', '--repeats', '1']
+  bench.main(argv + ['--micro_tokens', '128'])
   out = capsys.readouterr().out
   rows = re.search(r'padded (\d+) rows x 64 .*packed (\d+) rows x 64', out)
   assert rows and int(rows.group(2)) < int(rows.group(1)) == 8
-  for name in ('padded', 'packed'):
-    assert re.search(rf'{name} +[\d.]+ ms/step .* MFU \(real tokens\) +[\d.]+%', out), out
+  for name in ('padded', 'packed', 'micro', 'micro/1L'):
+    assert re.search(rf'  {name} +[\d.]+ ms/step .* MFU \(real tokens\) +[\d.]+%', out), out
   assert re.search(r'packed / padded time: x[\d.]+', out)
+  # Micro-batches of 128 tokens: rows of 64 (2 per micro-batch), then the short tail in
+  # shorter rows (the buckets of 64: 32, 16); with one row length, rows of 64 only.
+  micro = re.search(r'  micro .*rows x length (\[.*?\])', out).group(1)
+  one_length = re.search(r'  micro/1L .*rows x length (\[.*?\])', out).group(1)
+  assert '(2, 64)' in micro and set(re.findall(r', (\d+)\)', one_length)) == {'64'}
