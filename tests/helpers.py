@@ -178,3 +178,23 @@ def write_tiny_chat_model(path, family='qwen2'):
   else:
     raise ValueError(f'family must be qwen2 or llama, got {family!r}')
   return tok
+
+
+def train_byte_bpe(corpus, special_tokens, vocab_size):
+  """A byte-level BPE tokenizer (`tokenizers.Tokenizer`) trained on `corpus`
+  with `special_tokens` first in its vocabulary: what tests build instead of
+  downloading a tokenizer."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=list(special_tokens),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(corpus, trainer=trainer)
+  return tok

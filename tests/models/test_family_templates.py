@@ -21,12 +21,11 @@ import os
 
 import jinja2
 import pytest
-import tokenizers
 import transformers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jrl.models import tokenizer as T
 from jrl.trainers import tasks
+from tests.helpers import train_byte_bpe
 
 LLAMA3 = """{{ bos_token -}}
 {% for message in messages %}
@@ -170,16 +169,7 @@ CONVERSATIONS = {
 
 def _directory(root, family):
   template, specials, bos, eos, stops, _, _ = FAMILIES[family]
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=320,
-    special_tokens=specials,
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-  )
-  tok.train_from_iterator(CORPUS, trainer=trainer)
+  tok = train_byte_bpe(CORPUS, specials, 320)
   path = os.path.join(root, family)
   os.makedirs(path)
   tok.save(os.path.join(path, 'tokenizer.json'))

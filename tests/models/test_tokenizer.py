@@ -17,11 +17,10 @@ import string
 import jinja2
 import numpy as np
 import pytest
-import tokenizers
 import transformers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jrl.models import tokenizer as T
+from tests.helpers import train_byte_bpe
 
 SPECIAL_TOKENS = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<pad>']
 
@@ -114,17 +113,7 @@ TEXTS = [
 
 def _train_tokenizer():
   """A byte-level BPE trained on CORPUS, with SPECIAL_TOKENS added."""
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=400,
-    special_tokens=SPECIAL_TOKENS,
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-  )
-  tok.train_from_iterator(CORPUS, trainer=trainer)
-  return tok
+  return train_byte_bpe(CORPUS, SPECIAL_TOKENS, 400)
 
 
 @pytest.fixture(scope='module')
