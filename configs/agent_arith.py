@@ -15,20 +15,17 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = grpo_arith.get_config()
-  c.unlock()
-  c.algorithm = 'agent'
+  c = common.derive(grpo_arith.get_config(), 'agent')
   c.workdir = 'runs/agent_arith'
-  c.agent = common.agent_section()
   c.task.kind = 'arith_tool'
   c.task.eval_size = 200
+  c.task.max_prompt_len = 12
+  c.task.max_response_len = 32
   c.sft.steps = 150
   c.sft.lr = 1e-3
   c.rl.steps = 100
   c.rl.prompts_per_step = 16
   c.rl.group_size = 8
-  c.rl.max_prompt_len = 12
-  c.rl.max_new_tokens = 32
   c.rl.minibatch_size = 64
   c.optim.lr = 1e-4
   c.sampler.page_size = 8

@@ -12,14 +12,11 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = grpo_arith.get_config()
-  c.unlock()
-  c.algorithm = 'dpo'
+  c = common.derive(grpo_arith.get_config(), 'dpo')  # its model, task and SFT warm-up
   c.workdir = 'runs/dpo_arith'
-  c.dpo = common.dpo_section()
   c.dpo.beta = 0.1
   c.dpo.pairs_per_step = 32
-  c.rl.steps = 100  # DPO steps
+  c.dpo.steps = 100
   c.optim.lr = 5e-5
   c.lock()
   return common.variant(c, arg)

@@ -14,7 +14,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  c = common.base()
+  c = common.base('grpo')
   c.workdir = 'runs/grpo_arith'
   c.model.width = 256
   c.model.mlp_width = 768
@@ -24,14 +24,14 @@ def get_config(arg=None):
   c.model.head_dim = 64
   c.task.digits = 2
   c.task.ops = '+'
+  c.task.max_prompt_len = 8
+  c.task.max_response_len = 6
   c.sft.steps = 450
   c.sft.batch_size = 64
   c.sft.lr = 1e-3
   c.rl.steps = 100
   c.rl.prompts_per_step = 16
   c.rl.group_size = 8
-  c.rl.max_prompt_len = 8
-  c.rl.max_new_tokens = 6
   c.rl.minibatch_size = 64
   c.optim.lr = 1e-4
   c.optim.warmup_steps = 5

@@ -15,7 +15,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  c = common.base()
+  c = common.base('grpo')
   c.workdir = 'runs/grpo_qwen'
   c.tokenizer = ''  # the checkpoint's tokenizer.json
   c.export_hf = True
@@ -25,20 +25,20 @@ def get_config(arg=None):
   c.task.kind = 'jsonl'
   c.task.chat_template = True
   c.task.eval_size = 256
+  c.task.max_prompt_len = 256
+  c.task.max_response_len = 512
   c.reward.functions = ('math_answer',)
   c.eval.reward = 'math_answer'
   c.eval.every = 50
   c.rl.steps = 500
   c.rl.prompts_per_step = 32
   c.rl.group_size = 8
-  c.rl.max_prompt_len = 256
-  c.rl.max_new_tokens = 512
   c.rl.minibatch_size = 64
   c.rl.kl_coef = 0.001
   c.rl.kl_estimator = 'k3'
   c.rl.kl_input_clamp = 20.0
   c.rl.kl_output_clamp = 10.0
-  c.rl.chunk_size = 512
+  c.train.chunk_size = 512
   c.optim.lr = 1e-6
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.01

@@ -8,11 +8,8 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = grpo_arith.get_config()
-  c.unlock()
-  c.algorithm = 'ppo'
+  c = common.derive(grpo_arith.get_config(), 'ppo')
   c.workdir = 'runs/ppo_arith'
-  c.ppo = common.ppo_section()
   c.rl.group_size = 4  # PPO needs no groups; 4 samples per prompt keep batches full
   c.rl.prompts_per_step = 32
   c.rl.advantage = 'grpo'  # unused by PPO (GAE); kept for validation

@@ -14,16 +14,12 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = grpo_arith.get_config()
-  c.unlock()
-  c.algorithm = 'reward_model'
+  c = common.derive(grpo_arith.get_config(), 'reward_model')  # its task and sizes
   c.workdir = 'runs/rlhf_rm'
   c.model.path = 'runs/rlhf_sft/hf_export'
-  c.rm = common.rm_section()
   c.rm.pairs_per_step = 32
   c.rm.center_coef = 0.01
-  c.sft.steps = 0
-  c.rl.steps = 300  # reward-model steps
+  c.rm.steps = 300
   c.optim.lr = 1e-4
   c.optim.warmup_steps = 10
   c.eval.every = 50

@@ -15,11 +15,10 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = grpo_arith.get_config()
-  c.algorithm = 'sft'
+  c = common.derive(grpo_arith.get_config(), 'sft')
   c.workdir = 'runs/rlhf_sft'
   c.sft.steps = 450  # as the default job's warm-up
-  c.rl.steps = 0
   c.eval.every = 150
   c.export_hf = True
+  c.lock()
   return common.variant(c, arg)

@@ -7,9 +7,8 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = grpo_arith.get_config()
-  c.algorithm = 'sft'
+  c = common.derive(grpo_arith.get_config(), 'sft')  # its model, task and SFT settings
   c.workdir = 'runs/sft_arith'
   c.sft.steps = 550  # as many iterations as the default job's SFT + GRPO
-  c.rl.steps = 0
+  c.lock()
   return common.variant(c, arg)

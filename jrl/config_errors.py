@@ -24,6 +24,19 @@ import ml_collections
 from absl import app, flags
 from ml_collections.config_flags import config_flags
 
+# Fields that moved to another section: the message names the new place.
+MOVED = {
+  'rl.max_prompt_len': 'task.max_prompt_len',
+  'rl.max_new_tokens': 'task.max_response_len',
+  'rl.chunk_size': 'train.chunk_size',
+  'rl.packing': 'train.packing',
+  'rl.pack_row_len': 'train.pack_row_len',
+  'rl.micro_batch_tokens': 'train.micro_batch_tokens',
+  'rl.temperature': 'sampling.temperature',
+  'rl.top_k': 'sampling.top_k',
+  'rl.top_p': 'sampling.top_p',
+}
+
 # Field types whose values are checked here, with the parsers ml_collections uses for them.
 _PARSERS = {int: flags.IntegerParser(), float: flags.FloatParser(), bool: flags.BooleanParser()}
 
@@ -85,7 +98,16 @@ def check(config, overrides, source):
     field_type = _field_type(config, path)
     if field_type is None:
       message = f'unknown config field {path!r} in {source}'
+      section = path.partition('.')[0]
       close = suggest(path, field_paths(config))
+      if MOVED.get(path) and _field_type(config, MOVED[path]) is not None:
+        close = [MOVED[path]]
+        message += ' (moved)'
+      elif '.' in path and section not in config:
+        message += (
+          f' (algorithm {config.get("algorithm")!r} has no `{section}` section: '
+          'configs/README.md lists what each reads)'
+        )
       if close:
         message += '; did you mean ' + ' or '.join(repr(p) for p in close) + '?'
       return message

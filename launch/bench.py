@@ -29,7 +29,7 @@ update step and the process's peak resident memory so far.
 
 `update`: one GRPO update step (forward, backward, Adam) on a batch of
 long-tailed lengths (log-normal, mean `--mean_frac` of `--max_len`), on
-padded rows and on packed rows (`rl.packing`); MFU counts real tokens only.
+padded rows and on packed rows (`train.packing`); MFU counts real tokens only.
 
 `logprobs`: target-token logprobs and their gradient, from final hidden
 states and the unembedding matrix, computed (a) naively, materialising the
@@ -647,8 +647,9 @@ def bench_grpo(args):
     rows = config.rl.prompts_per_step * config.rl.group_size
     print(
       f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
-      f'{seq_len} tokens (prompt <= {config.rl.max_prompt_len}, new <= '
-      f'{config.rl.max_new_tokens}), kl_coef {config.rl.kl_coef}, backend {jax.default_backend()}'
+      f'{seq_len} tokens (prompt <= {config.task.max_prompt_len}, new <= '
+      f'{config.task.max_response_len}), kl_coef {config.rl.kl_coef}, '
+      f'backend {jax.default_backend()}'
     )
 
   measure_grpo(config, args.steps, args.peak_n, describe)
@@ -707,7 +708,7 @@ def bench_grpo_real(args):
         print(
           f'  remat={remat} lora={rank or "-"}: {mc.num_params() / 1e6:.1f}M params, '
           f'{rl.prompts_per_step * rl.group_size} rows of {seq_len} tokens (prompt <= '
-          f'{rl.max_prompt_len}, new <= {rl.max_new_tokens}), minibatches of '
+          f'{config.task.max_prompt_len}, new <= {config.task.max_response_len}), minibatches of '
           f'{rl.minibatch_size}, {len(job.res.task.train)} training prompts',
           flush=True,
         )
@@ -767,12 +768,12 @@ COSTMODEL_CASES = {
   'G=4, 32 prompts, 12 new': {
     'rl.group_size': 4,
     'rl.prompts_per_step': 32,
-    'rl.max_new_tokens': 12,
+    'task.max_response_len': 12,
   },
   'G=16, 8 prompts, 10 new': {
     'rl.group_size': 16,
     'rl.prompts_per_step': 8,
-    'rl.max_new_tokens': 10,
+    'task.max_response_len': 10,
   },
   'KL (reference model)': {'rl.kl_coef': 0.001},
   'one-step-off': {'topology.kind': 'one_step_off'},
@@ -828,9 +829,9 @@ def bench_costmodel(args):
           len(job.res.encoder.prompt_ids(ex['prompt'])) for ex in job.res.task.held_out[:50]
         )
       ),
-      max_prompt_len=rl.max_prompt_len,
+      max_prompt_len=config.task.max_prompt_len,
       response_mean=med('response_length/mean'),
-      response_max=rl.max_new_tokens,
+      response_max=config.task.max_response_len,
       response_clip_frac=med('response_length/clip_ratio'),
       epochs=rl.epochs,
       minibatch_rows=rl.minibatch_size,
@@ -840,9 +841,9 @@ def bench_costmodel(args):
       steps_per_dispatch=config.sampler.steps_per_dispatch,
       param_bytes=4,
       compute_bytes=4,
-      packing=bool(rl.packing),
-      pack_row_len=rl.pack_row_len if rl.packing else 0,
-      micro_batch_tokens=rl.get('micro_batch_tokens', 0) if rl.packing else 0,
+      packing=bool(config.train.packing),
+      pack_row_len=config.train.pack_row_len if config.train.packing else 0,
+      micro_batch_tokens=config.train.micro_batch_tokens if config.train.packing else 0,
     )
     layout = costmodel.Layout(topology=config.topology.kind)
     measured = {
@@ -972,7 +973,7 @@ def long_tailed_lengths(n, max_len, mean_frac, seed, min_len=16):
 
 def bench_update(args):
   """One GRPO update step (policy_step.train_step: forward, backward, Adam) on
-  a long-tailed batch, padded rows vs packed rows (`rl.packing`)."""
+  a long-tailed batch, padded rows vs packed rows (`train.packing`)."""
   import optax
 
   from jrl import models
@@ -1052,7 +1053,7 @@ def bench_micro_batches(
   args, state, batch, tokens, mask, graphdef, tx, schedule, real, flops, peak
 ):
   """The packed update split into micro-batches of `--micro_tokens` tokens
-  (`rl.micro_batch_tokens`): gradients summed, one update; time and the
+  (`train.micro_batch_tokens`): gradients summed, one update; time and the
   largest micro-batch's XLA temporaries."""
   from jrl.data import packing
   from jrl.trainers import common, policy_step

@@ -6,7 +6,7 @@ micro-batch, ranked by estimated step time, and why the others lose.
 
     python launch/plan.py --model /path/to/hf_dir --hardware tpu-v5e --chips 64 ...
     python launch/plan.py --model qwen2.5-0.5b --hardware this --calibration runs/x/trace.json ...
-    python launch/plan.py ... --packing --pack_row_len 8192   # as rl.packing, rl.pack_row_len
+    python launch/plan.py ... --packing --pack_row_len 8192   # as train.packing, train.pack_row_len
 
 Every layout (colocated, disaggregated and one-step-off on separate chips
 with each power-of-two rollout share, each tensor degree up to a node, the
@@ -274,10 +274,10 @@ def parse_args(argv):
   parser.add_argument('--kl', action='store_true', help='a reference model runs every step')
   parser.add_argument('--slots', type=int, default=256, help='sampler slots per replica')
   parser.add_argument('--reward_s', type=float, default=1e-3, help='seconds per completion')
-  parser.add_argument('--packing', action='store_true', help='pack sequences (rl.packing)')
-  parser.add_argument('--pack_row_len', type=int, default=0, help='rl.pack_row_len (0: seq)')
+  parser.add_argument('--packing', action='store_true', help='pack sequences (train.packing)')
+  parser.add_argument('--pack_row_len', type=int, default=0, help='train.pack_row_len (0: seq)')
   parser.add_argument(
-    '--micro_batch_tokens', type=int, default=0, help='rl.micro_batch_tokens (0: off)'
+    '--micro_batch_tokens', type=int, default=0, help='train.micro_batch_tokens (0: off)'
   )
   parser.add_argument('--calibration', default='', help='trace.json of a run on this machine')
   parser.add_argument('--top', type=int, default=8)

@@ -11,9 +11,11 @@ import os
 # tiny, so their time is mostly compiling; without LLVM's expensive passes the
 # suite runs about a fifth faster (tests compare numbers, never speed).
 # Subprocesses the tests start inherit these flags.
-_FLAGS = ('--xla_force_host_platform_device_count=8',
-          '--xla_backend_optimization_level=0',
-          '--xla_llvm_disable_expensive_passes=true')
+_FLAGS = (
+  '--xla_force_host_platform_device_count=8',
+  '--xla_backend_optimization_level=0',
+  '--xla_llvm_disable_expensive_passes=true',
+)
 for _flag in _FLAGS:
   if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()

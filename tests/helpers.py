@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The shrunken default job (the configs' smoke variant): 2 SFT + 3 RL
 # iterations; 16 rows per RL step in two minibatches of 8; evaluation and a
 # checkpoint every 2 iterations.
-SHRINK = config_common.SMOKE
+SHRINK = {k: v for k, v in config_common.SMOKE.items() if k.split('.')[0] not in ('dpo', 'rm')}
 # Runs that only need the trainer's behaviour skip the evaluation and the writers.
 QUIET = {'eval.every': 0, 'log.plot': False, 'log.tensorboard': False}
 
@@ -37,9 +37,21 @@ def set_fields(config, fields):
 
 
 def shrunk_config(workdir, overrides=None):
-  """`grpo_arith.get_config('smoke')` (locked) with `overrides` ({'a.b': v}) set."""
+  """`grpo_arith.get_config('smoke')` (locked) with `overrides` ({'a.b': v}) set.
+
+  An 'algorithm' override derives that algorithm's config from it
+  (`configs.common.derive`: the shared sections kept, its own at their smoke
+  values); a name no config knows is set as it is, for the error it causes."""
   fields = {'workdir': str(workdir), **(overrides or {})}
-  return set_fields(grpo_arith.get_config('smoke'), fields)
+  config = grpo_arith.get_config('smoke')
+  algorithm = fields.pop('algorithm', config.algorithm)
+  if algorithm in config_common.SECTIONS and algorithm != config.algorithm:
+    config = config_common.derive(config, algorithm)
+    config.lock()
+    config = config_common.variant(config, 'smoke')
+  elif algorithm != config.algorithm:
+    fields['algorithm'] = algorithm
+  return set_fields(config, fields)
 
 
 def optim_config(**fields):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from configs import grpo_arith
+from configs import dpo_arith, grpo_arith
 from jrl import config_errors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +29,23 @@ def test_field_of_another_section_is_suggested_there():
   assert message.startswith("unknown config field 'rl.lr' in configs/grpo_arith.py; did you mean")
   assert "'optim.lr'" in message and "'rl." not in message.partition('did you mean')[2]
   assert "did you mean 'optim.lr'" in _check(('optm.lr', '1e-5'))
+
+
+def test_a_moved_field_names_its_new_place():
+  assert _check(('rl.max_new_tokens', '5')) == (
+    "unknown config field 'rl.max_new_tokens' in configs/grpo_arith.py (moved); "
+    "did you mean 'task.max_response_len'?"
+  )
+  assert "did you mean 'train.packing'?" in _check(('rl.packing', 'true'))
+
+
+def test_a_section_the_algorithm_does_not_read_is_named():
+  message = config_errors.check(dpo_arith.get_config(), [('rl.steps', '5')], 'configs/dpo_arith.py')
+  assert message.startswith(
+    "unknown config field 'rl.steps' in configs/dpo_arith.py (algorithm 'dpo' has no `rl` "
+    'section: configs/README.md lists what each reads); did you mean '
+  )
+  assert "'dpo.steps'" in message
 
 
 def test_wrong_type_names_the_field_and_the_expected_type():

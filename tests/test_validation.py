@@ -27,7 +27,7 @@ from jrl import trainers
 from jrl.data import ArithmeticTask, read_preference_jsonl
 from jrl.models.tokenizer import CharTokenizer
 from jrl.trainers import checks, controller
-from tests.helpers import QUIET, SHRINK, set_fields
+from tests.helpers import QUIET, SHRINK, set_fields, shrunk_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(
@@ -47,13 +47,6 @@ def arith_config(workdir, overrides=None):
   return set_fields(grpo_arith.get_config(), fields)
 
 
-def with_section(config, name, section):
-  config.unlock()
-  config[name] = section
-  config.lock()
-  return config
-
-
 # Config fields ------------------------------------------------------------------
 
 
@@ -63,16 +56,16 @@ BAD_FIELDS = [
   ('sft.batch_size', 0, '>= 1'),  # before: ValueError from min() of an empty sequence
   ('sampler.page_size', 0, '>= 1'),  # before: ZeroDivisionError in the sampler
   ('eval.every', -1, '>= 0'),  # before: accepted, evaluated every iteration
-  ('rl.top_p', 1.5, '> 0 and <= 1'),
-  ('rl.top_p', 0.0, '> 0 and <= 1'),
-  ('rl.top_k', -1, '>= 0'),
+  ('sampling.top_p', 1.5, '> 0 and <= 1'),
+  ('sampling.top_p', 0.0, '> 0 and <= 1'),
+  ('sampling.top_k', -1, '>= 0'),
   ('rl.eps_low', 1.0, '>= 0 and < 1'),
   ('rl.gamma', 1.01, '>= 0 and <= 1'),
   ('rl.dual_clip_c', 0.5, '> 1, or 0'),
-  ('rl.max_prompt_len', 0, '>= 1'),
-  ('rl.chunk_size', 0, '>= 1'),
+  ('task.max_prompt_len', 0, '>= 1'),
+  ('train.chunk_size', 0, '>= 1'),
   ('rl.overlong_penalty', -1.0, '>= 0'),
-  ('rl.temperature', float('nan'), '> 0'),
+  ('sampling.temperature', float('nan'), '> 0'),
   ('optim.lr', float('inf'), '> 0'),
   ('optim.end_lr_ratio', 2.0, '>= 0 and <= 1'),
   ('optim.b2', 1.0, '> 0 and < 1'),
@@ -96,7 +89,7 @@ BAD_FIELDS = [
 def test_bad_field_is_named_with_its_range_and_value(tmp_path, field, value, rule):
   config = arith_config(tmp_path, {field: value})
   with pytest.raises(ValueError) as info:
-    checks.validate(config, 1)
+    trainers.validate(config, 1)
   assert str(info.value) == f'`{field}` must be {rule}, got {value!r}.'
 
 
@@ -113,14 +106,12 @@ def test_bad_field_is_named_with_its_range_and_value(tmp_path, field, value, rul
   ],
 )
 def test_bad_field_of_an_algorithm_section_is_named(tmp_path, section, field, value, rule):
-  config = with_section(
-    arith_config(tmp_path), section, getattr(config_common, f'{section}_section')()
-  )
-  config[section][field] = value
+  algorithm = {'rm': 'reward_model'}.get(section, section)
+  config = shrunk_config(tmp_path, {'algorithm': algorithm, f'{section}.{field}': value})
   with pytest.raises(
     ValueError, match=re.escape(f'`{section}.{field}` must be {rule}, got {value!r}.')
   ):
-    checks.validate(config, 1)
+    trainers.validate(config, 1)
 
 
 @pytest.mark.parametrize(
@@ -146,12 +137,34 @@ def test_ints_are_accepted_for_float_fields():
 def test_every_default_config_validates(name):
   config = default_config(name)
   checks.check_fields(config)
-  checks.validate(config, 1)
+  trainers.validate(config, 1)
+
+
+@pytest.mark.parametrize('name', CONFIG_NAMES)
+def test_every_config_holds_the_sections_its_algorithm_reads_and_no_others(name):
+  """Offline algorithms carry no rollout sections (rl, reward, topology),
+  the reward model not even a sampler; every section a config has is one
+  its algorithm reads, and each is checked by the module that reads it."""
+  config = default_config(name)
+  sections = {k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)}
+  read = set(checks.SHARED) | {s.name for s in trainers.SECTIONS[config.algorithm](config)}
+  assert sections == read, (sections - read, read - sections)
+  if config.algorithm in ('sft', 'dpo', 'reward_model'):
+    assert not sections & {'rl', 'reward', 'topology'}
+
+
+def test_a_section_the_algorithm_reads_must_be_there(tmp_path):
+  config = shrunk_config(tmp_path, {'algorithm': 'dpo'})
+  config.unlock()
+  del config['dpo']
+  with pytest.raises(ValueError, match=r"^`dpo`: algorithm 'dpo' reads this section"):
+    trainers.validate(config, 1)
 
 
 @pytest.mark.parametrize('name', CONFIG_NAMES)
 def test_every_numeric_field_of_the_default_configs_has_a_range(name):
-  """A numeric field added to a config without a rule in `checks.FIELDS` fails here."""
+  """A numeric field added to a config without a rule (in `checks.FIELDS` or
+  the `Section` of the module that reads it) fails here."""
 
   def numeric_fields(node, prefix=''):
     for key, value in node.items():
@@ -160,8 +173,8 @@ def test_every_numeric_field_of_the_default_configs_has_a_range(name):
       elif isinstance(value, int | float) and not isinstance(value, bool):
         yield f'{prefix}{key}'
 
-  missing = sorted(set(numeric_fields(default_config(name))) - set(checks.FIELDS))
-  assert not missing, f'configs/{name}.py: fields without a range in checks.FIELDS: {missing}'
+  missing = sorted(set(numeric_fields(default_config(name))) - set(trainers.numeric_fields()))
+  assert not missing, f'configs/{name}.py: fields without a range: {missing}'
 
 
 def test_launcher_exits_with_the_field_before_compiling(tmp_path):
@@ -217,7 +230,7 @@ def jsonl_config(tmp_path, train_path, overrides=None):
     # Before: "request 3: prompt length 43 must be in [1, max_prompt_len=8]" mid-run.
     (
       {'prompt': '1' * 40 + '+1=', 'answer': '4'},
-      r'prompts\.jsonl:17: field `prompt` is 43 tokens, more than `rl\.max_prompt_len`=8',
+      r'prompts\.jsonl:17: field `prompt` is 43 tokens, more than `task\.max_prompt_len`=8',
     ),
   ],
   ids=['char', 'too_long'],
@@ -258,7 +271,7 @@ def test_sft_file_row_longer_than_a_row_is_refused(tmp_path):
   with pytest.raises(
     ValueError,
     match=r'sft\.jsonl:9: prompt \(4 tokens\) \+ `response` \(30 tokens\) \+ eos exceed '
-    r'`rl\.max_prompt_len` \+ `rl\.max_new_tokens` = 14 tokens',
+    r'`task\.max_prompt_len` \+ `task\.max_response_len` = 14 tokens',
   ):
     trainers.build(config)
 
@@ -274,11 +287,11 @@ def test_generated_prompts_longer_than_max_prompt_len_are_refused(tmp_path):
   # 2-digit addition prompts ("47+85=") are 6 characters. Before: the first
   # evaluation failed with "request 0: prompt length 6 must be in [1,
   # max_prompt_len=4]", or an SFT step with "row 0: prompt 6 + response ...".
-  config = arith_config(tmp_path, {'rl.max_prompt_len': 4})
+  config = arith_config(tmp_path, {'task.max_prompt_len': 4})
   with pytest.raises(
     ValueError,
     match=r"task 'arith' training example 0: field `prompt` is 6 tokens, more than "
-    r'`rl\.max_prompt_len`=4',
+    r'`task\.max_prompt_len`=4',
   ):
     trainers.build(config)
 
@@ -335,8 +348,11 @@ def test_every_config_has_a_smoke_variant(name):
   smoke = parse(os.path.join(REPO, 'configs', f'{name}.py:smoke'))
   assert smoke.is_locked and smoke.algorithm == full.algorithm
   for key, value in config_common.SMOKE.items():
-    got, was = checks._lookup(smoke, key)[1], checks._lookup(full, key)[1]
+    (present, got), was = checks._lookup(smoke, key), checks._lookup(full, key)[1]
+    if not present:  # a section this algorithm does not read
+      assert key.split('.')[0] not in full, key
+      continue
     assert got == (min(was, value) if key.endswith('.steps') else value), key
-  checks.check_fields(smoke)  # every field in its range
+  trainers.validate(smoke, 1)  # every field in its range, the sections consistent
   with pytest.raises(ValueError, match="unknown config variant 'tiny'"):
     importlib.import_module(f'configs.{name}').get_config('tiny')

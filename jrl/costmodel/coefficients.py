@@ -107,13 +107,19 @@ def _events(trace, name):
 def workload_from_config(config):
   """The Workload of a jrl run config (a dict, as in a trace's `otherData`)."""
   rl, sc = config['rl'], config['sampler']
-  packing = bool(rl.get('packing', False))  # older traces lack the packing fields
+  # Traces recorded before the lengths moved to `task` and the passes to `train`
+  # have them in `rl` (and the oldest no packing fields).
+  train = config.get('train', rl)
+  task = config.get('task', {})
+  prompt_len = task.get('max_prompt_len') or rl.get('max_prompt_len')
+  response_len = task.get('max_response_len') or rl.get('max_new_tokens')
+  packing = bool(train.get('packing', False))
   return Workload(
     prompts_per_step=rl['prompts_per_step'],
     group_size=rl['group_size'],
-    prompt_len=rl['max_prompt_len'],
-    response_mean=rl['max_new_tokens'],
-    response_max=rl['max_new_tokens'],
+    prompt_len=prompt_len,
+    response_mean=response_len,
+    response_max=response_len,
     epochs=rl['epochs'],
     minibatch_rows=rl['minibatch_size'],
     reference=rl['kl_coef'] > 0,
@@ -121,8 +127,8 @@ def workload_from_config(config):
     page_size=sc['page_size'],
     steps_per_dispatch=sc['steps_per_dispatch'],
     packing=packing,
-    pack_row_len=int(rl.get('pack_row_len', 0)) if packing else 0,
-    micro_batch_tokens=int(rl.get('micro_batch_tokens', 0)) if packing else 0,
+    pack_row_len=int(train.get('pack_row_len', 0)) if packing else 0,
+    micro_batch_tokens=int(train.get('micro_batch_tokens', 0)) if packing else 0,
   )
 
 

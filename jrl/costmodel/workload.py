@@ -18,10 +18,10 @@ class Workload:
   `response_max`; the others spread evenly up to twice the mean that makes
   the overall mean `response_mean` (see `response_lengths`).
 
-  With `packing` (`rl.packing`), the update, reference and proximal passes
+  With `packing` (`train.packing`), the update, reference and proximal passes
   run each minibatch's sequences end to end in rows of `row_len` tokens
   (`jrl.data.packing`), as the trainer does; `micro_batch_tokens`
-  (`rl.micro_batch_tokens`) caps the tokens of one forward/backward
+  (`train.micro_batch_tokens`) caps the tokens of one forward/backward
   micro-batch per batch shard, which sizes the activations (see `memory`).
   """
 
@@ -41,7 +41,7 @@ class Workload:
   reward_s: float = 1e-4  # seconds per completion scored
   param_bytes: int = 4  # master weights
   compute_bytes: int = 2  # activations, KV cache, rollout weights
-  packing: bool = False  # sequences packed into rows (rl.packing)
+  packing: bool = False  # sequences packed into rows (train.packing)
   pack_row_len: int = 0  # tokens per packed row (0: seq_len)
   micro_batch_tokens: int = 0  # tokens per micro-batch and batch shard (0: off; packing only)
 

@@ -10,7 +10,7 @@ rollout worker (`rollout`, `episodes`) and a topology (`topology`), into a
 Nothing in `jrl/trainers` imports this package's `__init__`.
 """
 
-from jrl.trainers import agent, dpo, grpo, ppo, reward_model, sft
+from jrl.trainers import agent, checks, dpo, grpo, ppo, reward_model, sft
 
 # Algorithm name -> run(config) -> final TrainState.
 ALGORITHMS = {
@@ -32,6 +32,18 @@ BUILDERS = {
 }
 
 
+# Algorithm name -> config -> the sections it reads besides the shared ones
+# (`checks.Section`s, each declared by the module that reads it).
+SECTIONS = {
+  'grpo': lambda config: grpo.SECTIONS,
+  'ppo': lambda config: ppo.SECTIONS,
+  'dpo': lambda config: dpo.SECTIONS,
+  'sft': lambda config: sft.SECTIONS,
+  'reward_model': lambda config: reward_model.SECTIONS,
+  'agent': agent.sections,
+}
+
+
 def _lookup(table, config):
   algorithm = config.algorithm
   if algorithm not in table:
@@ -47,3 +59,20 @@ def build(config):
 def run(config):
   """Runs (or resumes) the job described by `config`; returns the final TrainState."""
   return _lookup(ALGORITHMS, config)(config)
+
+
+def validate(config, batch_shards=1):
+  """Every check of `config` that needs no model and no data: the shared
+  sections and the algorithm's (`checks.validate`), for a mesh of
+  `batch_shards` batch shards. Raises ValueError naming the field."""
+  checks.validate(config, batch_shards, _lookup(SECTIONS, config)(config))
+
+
+def numeric_fields():
+  """Every numeric field any config may have, with its range: the shared
+  `checks.FIELDS` and every algorithm's sections'."""
+  fields = dict(checks.FIELDS)
+  for module in (grpo, ppo, dpo, sft, reward_model, agent):
+    for section in module.SECTIONS:
+      fields.update(section.fields)
+  return fields

@@ -12,6 +12,9 @@ tool-use demonstrations (`episodes.demonstration_batch`).
 from jrl.trainers import controller, episodes, grpo, ppo
 
 TRAINERS = {'grpo': grpo.build, 'ppo': ppo.build}
+# What an agent run reads besides the shared sections (with `agent.trainer='ppo'`
+# also `ppo.SECTION`).
+SECTIONS = (*grpo.SECTIONS, episodes.SECTION)
 
 
 def demonstrations(res, examples, iteration):
@@ -20,12 +23,19 @@ def demonstrations(res, examples, iteration):
   )
 
 
+def sections(config):
+  """The sections an agent run of `config` reads (the `ppo` one for agent.trainer='ppo')."""
+  return SECTIONS + ((ppo.SECTION,) if config.agent.trainer == 'ppo' else ())
+
+
 def build(config):
-  kind = config.agent.trainer
-  if kind not in TRAINERS:
-    raise ValueError(f"`agent.trainer` must be 'grpo' or 'ppo', got {kind!r}.")
-  episodes.check(config)
-  return TRAINERS[kind](config, make_worker=episodes.EpisodeWorker, sft_batch=demonstrations)
+  episodes.check(config)  # agent.trainer first: it picks the update
+  return TRAINERS[config.agent.trainer](
+    config,
+    make_worker=episodes.EpisodeWorker,
+    sft_batch=demonstrations,
+    sections=sections(config),
+  )
 
 
 def run(config):

@@ -1,33 +1,31 @@
-"""Checks run at set-up, before anything is compiled: every numeric config
-field against its range, and every example against the tokenizer and the
-length limits of the config.
+"""Checks run at set-up, before anything is compiled: every config section
+against its ranges and between its fields, and every example against the
+tokenizer and the length limits of the config.
 
-`check_fields(config)` walks `FIELDS`, a table of the numeric fields of
-`configs/common.py` (its `base()` and the algorithm sections) with the range
-each must lie in; sections a config lacks are skipped. A value out of range,
+Each config section is checked next to the code that reads it: the module
+declares a `Section` (its numeric fields with their ranges, `FIELDS`-style,
+and a function for the checks between fields and against the devices), and
+each algorithm lists the sections it reads (`grpo.SECTIONS`, ...).
+`validate(config, batch_shards, sections)` checks the sections every
+algorithm has (`SHARED`: the run's fields, mesh, model, task, train, optim,
+eval, checkpoint, log), then the algorithm's. A value out of range,
 non-finite or of the wrong type raises ValueError naming the field:
 
     `sft.batch_size` must be >= 1, got 0.
 
 `ExampleChecker` encodes examples once when they are read, so that a
 character the tokenizer cannot encode or a prompt longer than
-`rl.max_prompt_len` fails at set-up with the file and line (or the index of a
-generated example), not when the stream first draws the row mid-run.
-
-`validate(config, batch_shards)` runs `check_fields` and then the checks
-between fields and against the devices (the model's remat policy and LoRA
-targets, group sizes, minibatches over the mesh, the topology).
+`task.max_prompt_len` fails at set-up with the file and line (or the index
+of a generated example), not when the stream first draws the row mid-run.
 """
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 
-from jrl import losses as L
 from jrl.models.config import ATTENTION_IMPLS, LORA_TARGETS, REMAT_POLICIES
-
-TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
 
 
 class Range(NamedTuple):
@@ -81,8 +79,10 @@ def fraction(lo_open=False, hi_open=False):
   return Range(False, 0, 1, lo_open=lo_open, hi_open=hi_open)
 
 
-# Every numeric field of the default configs. `tests/test_validation.py` checks
-# that no numeric field of a config in configs/ is missing here.
+# The numeric fields of the sections every algorithm has (configs/common.py
+# `SHARED` and the run's own fields). `tests/test_validation.py` checks that no
+# numeric field of a config in configs/ is without a range (here or in the
+# `Section` of the module that reads it).
 FIELDS = {
   'seed': count(0),
   'max_nonfinite_steps': count(1),
@@ -90,9 +90,6 @@ FIELDS = {
   'mesh.data': count(1, also=(-1,)),
   'mesh.fsdp': count(1, also=(-1,)),
   'mesh.tensor': count(1, also=(-1,)),
-  'topology.rollout_devices': count(0),
-  'topology.staleness': count(0, hi=1),
-  'topology.is_cap': Range(False, 1),
   'model.width': count(1),
   'model.mlp_width': count(1),
   'model.num_layers': count(1),
@@ -106,54 +103,11 @@ FIELDS = {
   'task.train_seed': count(0),
   'task.eval_seed': count(0),
   'task.eval_size': count(0),
-  'reward.unscored_value': Range(False),
-  'reward.workers': count(1),
-  'reward.timeout_s': positive(),
-  'reward.max_unscored_frac': fraction(),
-  'reward.max_unscored_steps': count(1),
-  'reward.judge_max_new_tokens': count(1),
-  'reward.judge_max_prompt_len': count(1),
-  'reward.clip': non_negative(),
-  'sft.steps': count(0),
-  'sft.batch_size': count(1),
-  'sft.lr': positive(),
-  'sft.warmup_steps': count(0),
-  'rl.steps': count(0),
-  'log.samples_every': count(0),
-  'rl.prompts_per_step': count(1),
-  'rl.group_size': count(1),
-  'rl.max_prompt_len': count(1),
-  'rl.max_new_tokens': count(1),
-  'rl.temperature': positive(),
-  'rl.top_k': count(0),
-  'rl.top_p': fraction(lo_open=True),
-  'rl.epochs': count(1),
-  'rl.minibatch_size': count(1),
-  'rl.adv_eps': non_negative(),
-  'rl.gamma': fraction(),
-  'rl.eps_low': fraction(hi_open=True),  # the ratio's lower clip 1 - eps_low stays > 0
-  'rl.eps_high': non_negative(),
-  'rl.dual_clip_c': Range(False, 1, lo_open=True, also=(0,)),  # c > 1 (0: off)
-  'rl.log_ratio_clamp': non_negative(),
-  'rl.loss_norm': non_negative(),
-  'rl.kl_coef': non_negative(),
-  'rl.kl_input_clamp': non_negative(),
-  'rl.kl_output_clamp': non_negative(),
-  'rl.sapo_tau_pos': positive(),
-  'rl.sapo_tau_neg': positive(),
-  'rl.vespo_k_pos': non_negative(),
-  'rl.vespo_lambda_pos': non_negative(),
-  'rl.vespo_k_neg': non_negative(),
-  'rl.vespo_lambda_neg': non_negative(),
-  'rl.off_policy_mask_threshold': non_negative(),
-  'rl.entropy_coef': Range(False),
-  'rl.overlong_buffer': count(0),
-  'rl.overlong_penalty': non_negative(),
-  'rl.dynamic_sampling_max_draws': count(0),
-  'rl.chunk_size': count(1),
-  'rl.pack_row_len': count(0),  # 0: max_prompt_len + max_new_tokens
-  'rl.micro_batch_tokens': count(0),  # 0: no token-budget micro-batches
-  'rl.router_aux_coef': non_negative(),
+  'task.max_prompt_len': count(1),
+  'task.max_response_len': count(1),
+  'train.chunk_size': count(1),
+  'train.pack_row_len': count(0),  # 0: max_prompt_len + max_response_len
+  'train.micro_batch_tokens': count(0),  # 0: no token-budget micro-batches
   'optim.lr': positive(),
   'optim.warmup_steps': count(0),
   'optim.decay_steps': count(0),
@@ -164,35 +118,39 @@ FIELDS = {
   'optim.eps': positive(),
   'optim.clip_norm': non_negative(),
   'optim.grad_accum': count(1),
-  'sampler.num_slots': count(1),
-  'sampler.page_size': count(1),
-  'sampler.num_pages': count(2, also=(0,)),  # page 0 is scratch; 0: sized automatically
-  'sampler.steps_per_dispatch': count(1),
   'eval.every': count(0),
   'eval.samples': count(0),
   'eval.temperature': positive(),
   'checkpoint.every': count(1),
   'checkpoint.keep': count(1),
   'log.every': count(1),
-  # Algorithm sections (configs/common.py `*_section`), checked when present.
-  'ppo.gamma': fraction(),
-  'ppo.lam': fraction(),
-  'ppo.value_clip': non_negative(),
-  'ppo.critic_lr': positive(),
-  'ppo.kl_target': positive(),
-  'ppo.kl_horizon': count(1),
-  'agent.max_turns': count(1),
-  'agent.step_timeout_s': positive(),
-  'agent.max_env_tokens': count(1),
-  'agent.sft_tool_frac': fraction(),
-  'rm.pairs_per_step': count(1),
-  'rm.margin': non_negative(),
-  'rm.center_coef': non_negative(),
-  'dpo.beta': positive(),
-  'dpo.label_smoothing': Range(False, 0, 0.5, hi_open=True),
-  'dpo.simpo_gamma': non_negative(),
-  'dpo.pairs_per_step': count(1),
+  'log.samples_every': count(0),
 }
+SHARED = ('mesh', 'model', 'task', 'train', 'optim', 'eval', 'checkpoint', 'log')
+# The section holding each algorithm's own iteration count (after `sft.steps`).
+STEPS_SECTION = {'grpo': 'rl', 'ppo': 'rl', 'agent': 'rl', 'dpo': 'dpo', 'reward_model': 'rm'}
+
+
+class Section(NamedTuple):
+  """A config section as the module that reads it checks it."""
+
+  name: str  # the section's key in the config ('rl', 'sampler', ...)
+  fields: dict  # dotted field -> Range, its numeric fields
+  check: Callable | None = None  # (config, batch_shards) -> None; raises ValueError
+
+
+def need(cond, field, msg):
+  """Raises ValueError('`field`: msg') unless `cond`."""
+  if not cond:
+    raise ValueError(f'`{field}`: {msg}')
+
+
+def iterations(config):
+  """A run's iterations: `sft.steps` (a warm-up, or the whole of algorithm
+  'sft') plus the algorithm's own steps (`rl.steps`, `dpo.steps`, `rm.steps`)."""
+  own = STEPS_SECTION.get(config.algorithm)
+  warmup = config.sft.steps if 'sft' in config else 0
+  return warmup + (config[own].steps if own and own in config else 0)
 
 
 def _lookup(config, field):
@@ -216,9 +174,10 @@ def check_field(field, value, rule):
     raise ValueError(f'`{field}` must be {rule.describe()}, got {value!r}.')
 
 
-def check_fields(config):
-  """Checks each field of `FIELDS` that `config` has; raises ValueError naming the first bad one."""
-  for field, rule in FIELDS.items():
+def check_fields(config, fields=None):
+  """Checks each field of `fields` (default `FIELDS`) that `config` has;
+  raises ValueError naming the first bad one."""
+  for field, rule in (FIELDS if fields is None else fields).items():
     present, value = _lookup(config, field)
     if present:
       check_field(field, value, rule)
@@ -228,7 +187,7 @@ def check_fields(config):
 
 
 class PromptTooLong(ValueError):
-  """A prompt longer than `rl.max_prompt_len` (`task.long_prompts='filter'` drops these)."""
+  """A prompt longer than `task.max_prompt_len` (`task.long_prompts='filter'` drops these)."""
 
 
 class ExampleChecker:
@@ -246,9 +205,9 @@ class ExampleChecker:
       prompt_ids: prompt (text or chat messages) -> token ids, as the trainer
         builds them (chat template, bos).
       encode: text -> token ids (responses, answers).
-      max_prompt_len: `rl.max_prompt_len`.
-      seq_len: tokens of a packed training row (`rl.max_prompt_len +
-        rl.max_new_tokens`); a response is followed by one eos token.
+      max_prompt_len: `task.max_prompt_len`.
+      seq_len: tokens of a packed training row (`task.max_prompt_len +
+        task.max_response_len`); a response is followed by one eos token.
     """
     self.prompt_ids = prompt_ids
     self.encode = encode
@@ -262,11 +221,11 @@ class ExampleChecker:
       raise ValueError(f'field `{key}`: {e}') from None
 
   def prompt(self, example):
-    """The prompt encodes and fits in `rl.max_prompt_len`; returns its length."""
+    """The prompt encodes and fits in `task.max_prompt_len`; returns its length."""
     n = len(self._ids(example, 'prompt', self.prompt_ids))
     if n > self.max_prompt_len:
       raise PromptTooLong(
-        f'field `prompt` is {n} tokens, more than `rl.max_prompt_len`={self.max_prompt_len}.'
+        f'field `prompt` is {n} tokens, more than `task.max_prompt_len`={self.max_prompt_len}.'
       )
     return n
 
@@ -275,7 +234,7 @@ class ExampleChecker:
     if prompt_len + m + int(eos) > self.seq_len:
       raise ValueError(
         f'prompt ({prompt_len} tokens) + `{key}` ({m} tokens){" + eos" if eos else ""} exceed '
-        f'`rl.max_prompt_len` + `rl.max_new_tokens` = {self.seq_len} tokens.'
+        f'`task.max_prompt_len` + `task.max_response_len` = {self.seq_len} tokens.'
       )
 
   def sft(self, example):
@@ -302,111 +261,70 @@ def check_generated(name, examples, check):
 # Between fields --------------------------------------------------------------
 
 
-def validate(config, batch_shards):
+def validate(config, batch_shards, sections=()):
   """Raises ValueError naming the field for anything inconsistent.
 
-  Every numeric field is first checked against its range (`FIELDS`);
-  what follows are the checks between fields and against the devices.
+  The shared sections first (their ranges, `FIELDS`, then the checks between
+  their fields), then each of the algorithm's `sections` (a `Section` each):
+  present in the config, its ranges, its checks.
   """
   check_fields(config)
-  rl = config.rl
-
-  def need(cond, field, msg):
-    if not cond:
-      raise ValueError(f'`{field}`: {msg}')
-
   check_model(config.model, config.algorithm)
-  steps = config.log.profile_steps
-  total = config.sft.steps + rl.steps
+  check_shared(config)
+  for section in sections:
+    need(
+      section.name in config,
+      section.name,
+      f'algorithm {config.algorithm!r} reads this section; the config has none '
+      f'(configs/common.py `base({config.algorithm!r})` has it).',
+    )
+    check_fields(config, section.fields)
+    if section.check is not None:
+      section.check(config, batch_shards)
+
+
+def check_shared(config):
+  """The checks between fields of the shared sections."""
+  steps, total = config.log.profile_steps, iterations(config)
   need(
     isinstance(steps, tuple | list)
     and all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= total for i in steps),
     'log.profile_steps',
-    f'must be iterations between 1 and sft.steps + rl.steps = {total}, got {steps!r}.',
+    f"must be iterations between 1 and the run's {total}, got {steps!r}.",
   )
+  task, train = config.task, config.train
+  seq_len = task.max_prompt_len + task.max_response_len
   need(
-    rl.group_size >= 2 or rl.advantage not in L.GROUP_ADVANTAGES,
-    'rl.group_size',
-    f'must be >= 2 for the group estimator {rl.advantage!r}.',
-  )
-  estimators, policy_losses = tuple(L.ADVANTAGE_ESTIMATORS), tuple(L.POLICY_LOSSES)
-  need(rl.advantage in estimators, 'rl.advantage', f'must be one of {estimators}.')
-  need(rl.policy_loss in policy_losses, 'rl.policy_loss', f'one of {policy_losses}.')
-  need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
-  rows = rl.prompts_per_step * rl.group_size
-  need(
-    rows % rl.minibatch_size == 0,
-    'rl.minibatch_size',
-    f'must divide prompts_per_step x group_size = {rows}.',
-  )
-  need(
-    rl.minibatch_size % batch_shards == 0,
-    'rl.minibatch_size',
-    f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
-  )
-  seq_len = rl.max_prompt_len + rl.max_new_tokens
-  need(
-    not rl.pack_row_len or rl.pack_row_len >= seq_len,
-    'rl.pack_row_len',
-    f'must be 0 or at least max_prompt_len + max_new_tokens = {seq_len} (a row holds '
+    not train.pack_row_len or train.pack_row_len >= seq_len,
+    'train.pack_row_len',
+    f'must be 0 or at least max_prompt_len + max_response_len = {seq_len} (a row holds '
     'the longest sequence).',
   )
-  row_len = rl.pack_row_len or seq_len
+  row_len = train.pack_row_len or seq_len
   need(
-    not rl.micro_batch_tokens or (rl.packing and rl.micro_batch_tokens >= row_len),
-    'rl.micro_batch_tokens',
-    f'must be 0, or with rl.packing on at least one packed row ({row_len} tokens).',
+    not train.micro_batch_tokens or (train.packing and train.micro_batch_tokens >= row_len),
+    'train.micro_batch_tokens',
+    f'must be 0, or with train.packing on at least one packed row ({row_len} tokens).',
   )
+
+
+def batch_divides(size, field, batch_shards):
+  """`field` (a row count) splits evenly over the mesh's batch shards."""
   need(
-    not rl.micro_batch_tokens or config.algorithm in ('grpo', 'ppo', 'agent', 'sft'),
-    'rl.micro_batch_tokens',
-    f'token-budget micro-batches run grpo, ppo, agent and sft (with their SFT warm-up), '
-    f'not {config.algorithm!r} (its pair losses are not split yet).',
-  )
-  need(
-    config.sft.batch_size % batch_shards == 0,
-    'sft.batch_size',
+    size % batch_shards == 0,
+    field,
     f'must be divisible by the mesh batch axes data x fsdp = {batch_shards}.',
   )
+
+
+def no_micro_batches(config, batch_shards):
+  """The pair losses (DPO, reward model) are not split into micro-batches."""
+  del batch_shards
   need(
-    0 <= rl.overlong_buffer < rl.max_new_tokens,
-    'rl.overlong_buffer',
-    'must be in [0, max_new_tokens).',
-  )
-  need(config.sampler.num_slots >= rl.group_size, 'sampler.num_slots', 'must be >= rl.group_size.')
-  need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
-  need(
-    rl.kl_estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
-    'rl.kl_estimator',
-    "'k3_ratio_corrected' weights the KL by π/π_old, which exists only in the loss: "
-    "set rl.kl_in='loss' or another estimator.",
-  )
-  tc = config.topology
-  need(tc.kind in TOPOLOGIES, 'topology.kind', f'must be one of {TOPOLOGIES}.')
-  need(
-    tc.kind != 'disaggregated' or tc.rollout_devices >= 1,
-    'topology.rollout_devices',
-    'must be >= 1 for a disaggregated topology.',
-  )
-  need(
-    tc.rollout_devices < jax.device_count(),
-    'topology.rollout_devices',
-    f'must leave devices for training (there are {jax.device_count()}).',
-  )
-  need(
-    tc.kind != 'colocated' or tc.rollout_devices == 0,
-    'topology.rollout_devices',
-    "must be 0 for a colocated topology (use 'disaggregated').",
-  )
-  need(
-    tc.kind != 'one_step_off' or config.algorithm == 'grpo',
-    'topology.kind',
-    "one_step_off runs the GRPO family (algorithm 'grpo') only.",
-  )
-  need(
-    rl.prompts_per_step % jax.process_count() == 0,
-    'rl.prompts_per_step',
-    f'must be divisible by the number of processes ({jax.process_count()}).',
+    not config.train.micro_batch_tokens,
+    'train.micro_batch_tokens',
+    f'token-budget micro-batches run grpo, ppo, agent and sft (with their SFT warm-up), '
+    f'not {config.algorithm!r} (its pair losses are not split yet).',
   )
 
 

@@ -50,7 +50,7 @@ class SequenceBatch(NamedTuple):
   tokens: jax.Array  # [B, T] int32
   mask: jax.Array  # [B, T] bool: real tokens
   loss_mask: jax.Array  # [B, T] bool: response tokens (the ones trained on)
-  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`rl.packing`), else None
+  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`train.packing`), else None
 
 
 def pack_sequences(prompts, responses, length, pad_id=0):
@@ -162,11 +162,11 @@ def only_held(x_BxT, held, fill=0.0):
 
 
 class Packer:
-  """Packs right-padded minibatches for the model (`rl.packing`): rows of
+  """Packs right-padded minibatches for the model (`train.packing`): rows of
   `row_len` tokens, a row count from a few sizes (`packing.row_count`) that
   is a multiple of the batch shards, placed with `sharding`.
 
-  With a token budget (`rl.micro_batch_tokens` per batch shard, 0: none)
+  With a token budget (`train.micro_batch_tokens` per batch shard, 0: none)
   `split` cuts a minibatch's packed rows into micro-batches of at most that
   many tokens per shard (`packing.micro_batches`). `last` keeps the padded
   and packed token efficiency of the last batch packed."""
@@ -220,21 +220,21 @@ def place_global(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def make_packer(rl, seq_len, sharding):
-  """A Packer when `rl.packing` is on (rows of `rl.pack_row_len` tokens, 0:
-  `seq_len`; micro-batches of `rl.micro_batch_tokens`), else None."""
-  if not rl.packing:
+def make_packer(train, seq_len, sharding):
+  """A Packer when `train.packing` is on (rows of `train.pack_row_len` tokens, 0:
+  `seq_len`; micro-batches of `train.micro_batch_tokens`), else None."""
+  if not train.packing:
     return None
-  row_len = int(rl.pack_row_len) or int(seq_len)
+  row_len = int(train.pack_row_len) or int(seq_len)
   if row_len < seq_len:
     raise ValueError(
-      f'`rl.pack_row_len` ({row_len}) must be at least the longest sequence, '
-      f'max_prompt_len + max_new_tokens = {seq_len}.'
+      f'`train.pack_row_len` ({row_len}) must be at least the longest sequence, '
+      f'max_prompt_len + max_response_len = {seq_len}.'
     )
-  budget = int(rl.get('micro_batch_tokens', 0))
+  budget = int(train.micro_batch_tokens)
   if budget and budget < row_len:
     raise ValueError(
-      f'`rl.micro_batch_tokens` ({budget}) must be 0 or at least a packed row, {row_len} tokens.'
+      f'`train.micro_batch_tokens` ({budget}) must be 0 or at least a packed row, {row_len} tokens.'
     )
   return Packer(row_len, sharding, budget)
 

@@ -11,7 +11,8 @@ evaluation and the switch from the SFT warm-up to the main phase.
    intact checkpoint in `workdir`, if there is one;
 2. evaluates once before training (`eval.every` > 0 and `eval.at_start`, a fresh run);
 3. runs iterations `state, metrics = job.iterate(state, it)` up to
-   `sft.steps + rl.steps`, writing metrics every iteration, evaluating every
+   `sft.steps` + the algorithm's own steps (`rl.steps`, `dpo.steps` or
+   `rm.steps`), writing metrics every iteration, evaluating every
    `eval.every` and checkpointing every `checkpoint.every`;
 4. stops with an error naming the cause after `max_nonfinite_steps`
    iterations with skipped updates, or `reward.max_unscored_steps`
@@ -38,7 +39,7 @@ from jrl import checkpoint as ckpt_lib
 from jrl import distributed
 from jrl import metrics as metrics_lib
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import common, setup
+from jrl.trainers import checks, common, setup
 
 
 class Job(NamedTuple):
@@ -164,11 +165,14 @@ def profiling(config, workdir, iteration):
 
 
 def train(job):
-  """Runs (or resumes) `job` to `sft.steps + rl.steps` iterations, or until
-  SIGTERM; returns the final TrainState."""
+  """Runs (or resumes) `job` to `sft.steps` + the algorithm's steps
+  iterations (`checks.iterations`), or until SIGTERM; returns the final TrainState."""
   res, config = job.res, job.res.config
   tracer = res.tracer
-  total = config.sft.steps + config.rl.steps
+  total = checks.iterations(config)
+  warmup = config.sft.steps if 'sft' in config else 0
+  # Online runs stop when the rewards carry no signal (`reward.max_unscored_*`).
+  reward = config.reward if 'reward' in config else None
   if res.is_main:
     setup.write_config(config, res.workdir)  # config.json; a resumed run's changes printed
   checkpointer = setup.checkpointer(config, res.workdir)
@@ -181,21 +185,21 @@ def train(job):
   preempted = False
 
   def due(every, it):
-    return every and (it % every == 0 or it == total or it == config.sft.steps)
+    return every and (it % every == 0 or it == total or it == warmup)
 
   if progress.iteration == 0 and config.eval.every and config.eval.at_start:
     writer.write(0, {**job.evaluate(state), 'phase': 0.0})
   try:
     while progress.iteration < total:
       it = progress.iteration
-      in_sft = it < config.sft.steps
+      in_sft = it < warmup
       t_start = tracer.now()
       with profiling(config, res.workdir, it + 1), tracer.span('step', 'step', iteration=it):
         state, m = job.iterate(state, it)
       if not in_sft and tracer.enabled:
         m.update(tracer.bubbles(t_start, tracer.now()))
       it = progress.iteration = it + 1
-      if it == config.sft.steps and it < total and job.start_rl is not None:
+      if it == warmup and it < total and job.start_rl is not None:
         state = job.start_rl(state)
       nonfinite = m.get('actor/nonfinite', m.get('sft/nonfinite', 0.0))
       progress.nonfinite_run = progress.nonfinite_run + 1 if nonfinite else 0
@@ -207,14 +211,14 @@ def train(job):
         samples = job.samples()
         if samples:
           writer.write_samples(it, samples)
-      unscored = mostly_unscored(m, config.reward.max_unscored_frac, job.reward_errors())
+      unscored = reward and mostly_unscored(m, reward.max_unscored_frac, job.reward_errors())
       progress.unscored_run = progress.unscored_run + 1 if unscored else 0
-      if progress.unscored_run >= config.reward.max_unscored_steps:
+      if reward and progress.unscored_run >= reward.max_unscored_steps:
         checkpointer.wait()
         raise RuntimeError(
           f'stopping at iteration {it}: {unscored} for {progress.unscored_run} RL iterations '
           f'in a row (more than `reward.max_unscored_frac`='
-          f'{config.reward.max_unscored_frac:g}); the updates had no reward signal. '
+          f'{reward.max_unscored_frac:g}); the updates had no reward signal. '
           f'{checkpointer.describe_latest()}'
         )
       if progress.nonfinite_run >= config.max_nonfinite_steps:

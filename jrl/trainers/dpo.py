@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jrl import losses as L
 from jrl import parallel
 from jrl.data import PromptStream, read_preference_jsonl
-from jrl.trainers import common, controller, rollout, setup, sft, tasks
+from jrl.trainers import checks, common, controller, rollout, setup, sft, tasks
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
 _REFERENCE_FREE = ('simpo', 'orpo')
@@ -33,7 +33,7 @@ class DPOBatch(NamedTuple):
   mask: jax.Array  # [2P, T] bool
   loss_mask: jax.Array  # [2P, T] bool response tokens
   ref_logp: jax.Array  # [2P] float32 reference sequence logprobs (sum or mean)
-  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`rl.packing`), else None
+  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`train.packing`), else None
 
 
 class DPOLossConfig(NamedTuple):
@@ -106,16 +106,30 @@ def train_step(state, batch, *, graphdef, tx, schedule, cfg):
   return state, metrics
 
 
-def check(config):
+def check(config, batch_shards):
+  """The `dpo` section between its fields and against the task."""
   d = config.dpo
   if d.loss not in DPO_LOSSES:
     raise ValueError(f'`dpo.loss` must be one of {DPO_LOSSES}, got {d.loss!r}.')
-  if not d.beta > 0:
-    raise ValueError(f'`dpo.beta` must be > 0, got {d.beta}.')
-  if d.pairs_per_step < 1:
-    raise ValueError(f'`dpo.pairs_per_step` must be >= 1, got {d.pairs_per_step}.')
   if not d.train_path and config.task.kind != 'arith':
     raise ValueError('`dpo.train_path` is required unless `task.kind` is "arith".')
+  checks.no_micro_batches(config, batch_shards)
+
+
+# The `dpo` section: the preference loss and its pairs.
+SECTION = checks.Section(
+  'dpo',
+  {
+    'dpo.steps': checks.count(0),
+    'dpo.beta': checks.positive(),
+    'dpo.label_smoothing': checks.Range(False, 0, 0.5, hi_open=True),
+    'dpo.simpo_gamma': checks.non_negative(),
+    'dpo.pairs_per_step': checks.count(1),
+  },
+  check,
+)
+# What a DPO run reads besides the shared sections (the sampler: held-out generation).
+SECTIONS = (sft.SECTION, rollout.SAMPLER, SECTION)
 
 
 def pair_source(config, res):
@@ -149,7 +163,7 @@ def make_steps(config, res, tx, schedule, shardings):
     beta=d.beta,
     label_smoothing=d.label_smoothing,
     simpo_gamma=d.simpo_gamma,
-    chunk_size=config.rl.chunk_size,
+    chunk_size=config.train.chunk_size,
   )
   graphdef = res.model.graphdef
   dpo_step = jax.jit(
@@ -159,7 +173,7 @@ def make_steps(config, res, tx, schedule, shardings):
   )
   reference = jax.jit(
     functools.partial(
-      sequence_logprobs, graphdef, average=d.loss in _AVERAGED, chunk_size=config.rl.chunk_size
+      sequence_logprobs, graphdef, average=d.loss in _AVERAGED, chunk_size=config.train.chunk_size
     )
   )
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
@@ -167,11 +181,10 @@ def make_steps(config, res, tx, schedule, shardings):
 
 
 def build(config):
-  """The job of a DPO-family run: an optional SFT warm-up, then `rl.steps`
+  """The job of a DPO-family run: an optional SFT warm-up, then `dpo.steps`
   updates on `dpo.pairs_per_step` pairs each."""
+  res, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
   d = config.dpo
-  res, _ = setup.start(config)
-  check(config)
   next_pairs = pair_source(config, res)
   tx, schedule = setup.optimizer(config)
   uses_ref = d.loss not in _REFERENCE_FREE
@@ -185,7 +198,7 @@ def build(config):
   warmup = sft.warmup(res, state)
   steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
   evaluate, close = rollout.held_out_evaluator(res)
-  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
+  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
 
   def dpo_iteration(state, it):
     t_step = time.perf_counter()

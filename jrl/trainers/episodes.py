@@ -7,7 +7,7 @@ The sampler generates a model turn until a turn-ending token (a tool call's
 closing `}`) or end of sequence; the environment answers with tokens that
 the sampler appends on the sequence's cached pages; this repeats until the
 model ends its answer, the environment ends the episode, or a limit is hit
-(`agent.max_turns`, the token budget `rl.max_new_tokens`, the per-step
+(`agent.max_turns`, the token budget `task.max_response_len`, the per-step
 timeout `agent.step_timeout_s`). An environment that raises, hangs or
 returns garbage ends only its own trajectory, with the reason counted.
 
@@ -35,7 +35,7 @@ import numpy as np
 from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, run_step
-from jrl.trainers import common, rollout
+from jrl.trainers import checks, common, rollout
 from jrl.trainers.setup import seed
 
 # name -> (task with a `demonstration(example, use_tool)`, factory(tokenizer) -> Environment)
@@ -105,26 +105,36 @@ def new_env(spec, tokenizer, name):
   return env
 
 
-def check(config):
+def check(config, batch_shards=None):
   """Raises ValueError naming the `agent.*` field that is out of place."""
+  del batch_shards
   ac = config.agent
+  if ac.trainer not in ('grpo', 'ppo'):
+    raise ValueError(f"`agent.trainer` must be 'grpo' or 'ppo', got {ac.trainer!r}.")
   spec = environment(ac.env)
   if config.sft.steps and spec.demonstration is None:
     raise ValueError(
       f'`agent.env` {ac.env!r} has no `demonstration(example, use_tool)` for the SFT '
       'warm-up: give its factory one, or set `sft.steps` = 0.'
     )
-  if ac.max_turns < 1:
-    raise ValueError(f'`agent.max_turns` must be >= 1, got {ac.max_turns}.')
-  if not ac.step_timeout_s > 0:
-    raise ValueError(f'`agent.step_timeout_s` must be > 0, got {ac.step_timeout_s}.')
-  if not 0.0 <= ac.sft_tool_frac <= 1.0:
-    raise ValueError(f'`agent.sft_tool_frac` must be in [0, 1], got {ac.sft_tool_frac}.')
   if config.rl.dynamic_sampling or config.topology.kind == 'one_step_off':
     raise ValueError(
       '`rl.dynamic_sampling` and `topology.kind` one_step_off are not supported with '
       '`algorithm` "agent".'
     )
+
+
+# The `agent` section: the environment and the episodes' limits.
+SECTION = checks.Section(
+  'agent',
+  {
+    'agent.max_turns': checks.count(1),
+    'agent.step_timeout_s': checks.positive(),
+    'agent.max_env_tokens': checks.count(1),
+    'agent.sft_tool_frac': checks.fraction(),
+  },
+  check,
+)
 
 
 class Episode:
@@ -222,7 +232,7 @@ class EpisodeWorker:
 
   def run_episodes(self, params, examples, *, group_size, greedy, iteration, draw=0):
     """(requests, [len(examples)][G] (Completion, Episode))."""
-    rl, ac = self.config.rl, self.config.agent
+    ac = self.config.agent
     episodes = [
       [Episode(self.make_env(self.tokenizer)) for _ in range(group_size)] for _ in examples
     ]
@@ -261,10 +271,10 @@ class EpisodeWorker:
     requests = [
       sampler.Request(
         prompt=p,
-        max_new_tokens=rl.max_new_tokens,
-        temperature=rl.temperature,
-        top_k=rl.top_k,
-        top_p=rl.top_p,
+        max_new_tokens=self.config.task.max_response_len,
+        temperature=self.config.sampling.temperature,
+        top_k=self.config.sampling.top_k,
+        top_p=self.config.sampling.top_p,
         greedy=greedy,
         stop_tokens=tuple(self.stop_tokens) + self.turn_stops,
         seed=seed(self.config.seed, iteration, draw, i),

@@ -42,10 +42,12 @@ def logprobs_fn(config, graphdef, packer=None):
   """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature
   (the reference and proximal passes); with a `packer` (common.make_packer)
   the model runs on packed rows."""
-  rl = config.rl
   logprobs = jax.jit(
     functools.partial(
-      common.token_logprobs, graphdef, temperature=rl.temperature, chunk_size=rl.chunk_size
+      common.token_logprobs,
+      graphdef,
+      temperature=config.sampling.temperature,
+      chunk_size=config.train.chunk_size,
     )
   )
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
@@ -53,7 +55,7 @@ def logprobs_fn(config, graphdef, packer=None):
 
 def make_steps(config, res, tx, schedule, shardings, packer=None):
   rl = config.rl
-  cfg = policy_step.loss_config(rl)
+  cfg = policy_step.loss_config(rl, config.train.chunk_size, config.sampling.temperature)
   accum = int(config.optim.grad_accum)
   graphdef = res.model.graphdef
   if packer is not None and packer.budget:
@@ -94,12 +96,18 @@ def make_steps(config, res, tx, schedule, shardings, packer=None):
   )
 
 
-def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):
+# What a GRPO-family run reads besides the shared sections.
+SECTIONS = online.SECTIONS
+
+
+def build(
+  config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch, sections=SECTIONS
+):
   """The job of a GRPO-family run. `make_worker(res, mesh, prompt_rows)` is the
   rollout worker (the agent passes its episode runner), `sft_batch` packs
-  the warm-up's examples."""
+  the warm-up's examples, `sections` are the config sections checked."""
   rl = config.rl
-  res, rollout_mesh, rows = online.start(config)
+  res, rollout_mesh, rows = online.start(config, sections)
 
   # State: the reference model is the policy at the start of RL. One
   # optimiser per phase; the optimiser state and step restart when RL begins.
@@ -112,7 +120,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
 
   state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
   warmup = sft.warmup(res, state, sft_batch)
-  packer = common.make_packer(rl, res.seq_len, res.batch_sharding)
+  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
   steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh), packer)
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
   shaper = online.RewardShaper(config.reward)

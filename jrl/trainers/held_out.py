@@ -89,11 +89,11 @@ class HeldOut:
     return self._prompts
 
   def _requests(self, greedy):
-    ec, rl = self.config.eval, self.config.rl
+    ec = self.config.eval
     return [
       sampler.Request(
         prompt=ids,
-        max_new_tokens=rl.max_new_tokens,
+        max_new_tokens=self.config.task.max_response_len,
         temperature=1.0 if greedy else float(ec.temperature),
         greedy=greedy,
         stop_tokens=self.stop_tokens,
@@ -109,7 +109,7 @@ class HeldOut:
         (self.config.eval.reward,),
         mode='process',
         workers=1,
-        timeout_s=self.config.reward.timeout_s,
+        timeout_s=self.config.reward.timeout_s if 'reward' in self.config else 30.0,
       )
     prompts = self._encoded()[1]
     scored = self._scorer(

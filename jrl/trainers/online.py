@@ -13,15 +13,94 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import distributed
+from jrl import losses as L
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import common, rollout, setup, topology
+from jrl.trainers import checks, common, rollout, setup, sft, topology
 
 
-def start(config):
+def check_rl(config, batch_shards):
+  """The `rl` section between its fields, against the task and the devices."""
+  rl, need = config.rl, checks.need
+  need(
+    rl.group_size >= 2 or rl.advantage not in L.GROUP_ADVANTAGES,
+    'rl.group_size',
+    f'must be >= 2 for the group estimator {rl.advantage!r}.',
+  )
+  estimators, policy_losses = tuple(L.ADVANTAGE_ESTIMATORS), tuple(L.POLICY_LOSSES)
+  need(rl.advantage in estimators, 'rl.advantage', f'must be one of {estimators}.')
+  need(rl.policy_loss in policy_losses, 'rl.policy_loss', f'one of {policy_losses}.')
+  need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
+  rows = rl.prompts_per_step * rl.group_size
+  need(
+    rows % rl.minibatch_size == 0,
+    'rl.minibatch_size',
+    f'must divide prompts_per_step x group_size = {rows}.',
+  )
+  checks.batch_divides(rl.minibatch_size, 'rl.minibatch_size', batch_shards)
+  need(
+    0 <= rl.overlong_buffer < config.task.max_response_len,
+    'rl.overlong_buffer',
+    'must be in [0, task.max_response_len).',
+  )
+  need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
+  need(
+    rl.kl_estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
+    'rl.kl_estimator',
+    "'k3_ratio_corrected' weights the KL by π/π_old, which exists only in the loss: "
+    "set rl.kl_in='loss' or another estimator.",
+  )
+  need(
+    rl.prompts_per_step % jax.process_count() == 0,
+    'rl.prompts_per_step',
+    f'must be divisible by the number of processes ({jax.process_count()}).',
+  )
+
+
+# The `rl` section: the online algorithms' iterations, rollout batch and policy loss.
+RL = checks.Section(
+  'rl',
+  {
+    'rl.steps': checks.count(0),
+    'rl.prompts_per_step': checks.count(1),
+    'rl.group_size': checks.count(1),
+    'rl.epochs': checks.count(1),
+    'rl.minibatch_size': checks.count(1),
+    'rl.adv_eps': checks.non_negative(),
+    'rl.gamma': checks.fraction(),
+    'rl.eps_low': checks.fraction(hi_open=True),  # the ratio's lower clip 1 - eps_low stays > 0
+    'rl.eps_high': checks.non_negative(),
+    'rl.dual_clip_c': checks.Range(False, 1, lo_open=True, also=(0,)),  # c > 1 (0: off)
+    'rl.log_ratio_clamp': checks.non_negative(),
+    'rl.loss_norm': checks.non_negative(),
+    'rl.kl_coef': checks.non_negative(),
+    'rl.kl_input_clamp': checks.non_negative(),
+    'rl.kl_output_clamp': checks.non_negative(),
+    'rl.sapo_tau_pos': checks.positive(),
+    'rl.sapo_tau_neg': checks.positive(),
+    'rl.vespo_k_pos': checks.non_negative(),
+    'rl.vespo_lambda_pos': checks.non_negative(),
+    'rl.vespo_k_neg': checks.non_negative(),
+    'rl.vespo_lambda_neg': checks.non_negative(),
+    'rl.off_policy_mask_threshold': checks.non_negative(),
+    'rl.entropy_coef': checks.Range(False),
+    'rl.overlong_buffer': checks.count(0),
+    'rl.overlong_penalty': checks.non_negative(),
+    'rl.dynamic_sampling_max_draws': checks.count(0),
+    'rl.router_aux_coef': checks.non_negative(),
+  },
+  check_rl,
+)
+# What every online algorithm reads besides the shared sections.
+SECTIONS = (sft.SECTION, RL, rollout.SAMPLING, rollout.SAMPLER, rollout.REWARD, topology.SECTION)
+
+
+def start(config, sections=SECTIONS):
   """(Resources, rollout mesh, prompt rows): the set-up of an online run up
-  to the model, with every config check that needs no model."""
+  to the model, with every config check (of the shared sections and the
+  algorithm's `sections`) that needs no model."""
   tc = config.topology
-  res, rollout_mesh = setup.start(config, tc.rollout_devices if tc.kind != 'colocated' else 0)
+  rollout_devices = tc.rollout_devices if tc.kind != 'colocated' else 0
+  res, rollout_mesh = setup.start(config, sections, rollout_devices)
   rollout.check_reward_functions(config.reward)
   return res, rollout_mesh, prompt_rows(config, res.batch_sharding)
 
@@ -45,8 +124,7 @@ def finish(config, res, rollout_mesh, rows, make_worker):
   """(worker, topology). Called last: the worker starts reward processes once
   nothing else in the set-up can fail."""
   worker = make_worker(res, rollout_mesh, rows)
-  total = config.sft.steps + config.rl.steps
-  return worker, topology.make(config, worker, res, rollout_mesh, total)
+  return worker, topology.make(config, worker, res, rollout_mesh, checks.iterations(config))
 
 
 class RewardShaper:

@@ -35,7 +35,7 @@ class PolicyBatch(NamedTuple):
   # None: on-policy.
   is_weights: jax.Array | None = None
   # jrl.data.packing.PackedInputs of tokens/mask: the model runs on packed
-  # rows (`rl.packing`); None: on the padded rows.
+  # rows (`train.packing`); None: on the padded rows.
   packed: Any = None
 
 
@@ -242,8 +242,9 @@ def advantages(rewards_B, loss_mask_BxT, group_size, cfg, kl_BxT=None):
 # From the config ------------------------------------------------------------
 
 
-def loss_config(rl):
-  """The PolicyLossConfig of a config's `rl` section."""
+def loss_config(rl, chunk_size=1024, temperature=1.0):
+  """The PolicyLossConfig of a config's `rl` section (`chunk_size`:
+  `train.chunk_size`; `temperature`: `sampling.temperature`, the logprobs'."""
   return PolicyLossConfig(
     policy_loss=rl.policy_loss,
     eps_low=rl.eps_low,
@@ -257,8 +258,8 @@ def loss_config(rl):
     kl_input_clamp=rl.kl_input_clamp or None,
     kl_output_clamp=rl.kl_output_clamp or None,
     entropy_coef=rl.entropy_coef,
-    temperature=rl.temperature,
-    chunk_size=rl.chunk_size,
+    temperature=temperature,
+    chunk_size=chunk_size,
     sapo_tau_pos=rl.sapo_tau_pos,
     sapo_tau_neg=rl.sapo_tau_neg,
     vespo_k_pos=rl.vespo_k_pos,

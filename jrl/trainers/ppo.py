@@ -27,7 +27,17 @@ from jrl import losses as L
 from jrl import models, parallel
 from jrl.data import packing
 from jrl.models import hf as hf_lib
-from jrl.trainers import common, controller, grpo, online, policy_step, rollout, setup, sft
+from jrl.trainers import (
+  checks,
+  common,
+  controller,
+  grpo,
+  online,
+  policy_step,
+  rollout,
+  setup,
+  sft,
+)
 from jrl.trainers.optim import make_optimizer
 
 
@@ -40,7 +50,7 @@ class PPOBatch(NamedTuple):
   advantages: jax.Array  # [B, T] float32 (whitened GAE)
   returns: jax.Array  # [B, T] float32 value targets
   old_values: jax.Array  # [B, T] float32 critic values at rollout time
-  packed: Any = None  # jrl.data.packing.PackedInputs (`rl.packing`), else None
+  packed: Any = None  # jrl.data.packing.PackedInputs (`train.packing`), else None
 
 
 def critic_values(graphdef, params, tokens, mask, packed=None):
@@ -143,12 +153,19 @@ def train_step(
   )
 
 
-def check(config):
-  ppo = config.ppo
-  if not 0.0 <= ppo.gamma <= 1.0 or not 0.0 <= ppo.lam <= 1.0:
-    raise ValueError('`ppo.gamma` and `ppo.lam` must be in [0, 1].')
-  if config.rl.kl_in not in ('loss', 'reward'):
-    raise ValueError(f"`rl.kl_in` must be 'loss' or 'reward', got {config.rl.kl_in!r}.")
+# The `ppo` section: GAE, the critic and the adaptive KL controller.
+SECTION = checks.Section(
+  'ppo',
+  {
+    'ppo.gamma': checks.fraction(),
+    'ppo.lam': checks.fraction(),
+    'ppo.value_clip': checks.non_negative(),
+    'ppo.critic_lr': checks.positive(),
+    'ppo.kl_target': checks.positive(),
+    'ppo.kl_horizon': checks.count(1),
+  },
+)
+SECTIONS = (*online.SECTIONS, SECTION)
 
 
 def make_critic(config, res, policy_params, key):
@@ -185,7 +202,7 @@ def make_steps(config, res, critic_graphdef, optimizers, shardings, packer=None)
   models_ = dict(
     graphdef=res.model.graphdef,
     critic_graphdef=critic_graphdef,
-    cfg=policy_step.loss_config(config.rl),
+    cfg=policy_step.loss_config(config.rl, config.train.chunk_size, config.sampling.temperature),
     value_clip=config.ppo.value_clip,
   )
   optim = dict(tx=tx, schedule=schedule, critic_tx=critic_tx, critic_schedule=critic_schedule)
@@ -216,11 +233,12 @@ def make_steps(config, res, critic_graphdef, optimizers, shardings, packer=None)
   )
 
 
-def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch):
-  """The job of a PPO run (`make_worker`, `sft_batch`: as `grpo.build`)."""
+def build(
+  config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch, sections=SECTIONS
+):
+  """The job of a PPO run (`make_worker`, `sft_batch`, `sections`: as `grpo.build`)."""
   rl, ppo = config.rl, config.ppo
-  res, rollout_mesh, rows = online.start(config)
-  check(config)
+  res, rollout_mesh, rows = online.start(config, sections)
   tx, schedule = setup.optimizer(config)
   critic_optim = config.optim.copy_and_resolve_references()
   with critic_optim.unlocked():
@@ -251,7 +269,7 @@ def build(config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batc
   warmup = sft.warmup(res, state, sft_batch)
   shardings = setup.step_shardings(state, res.mesh)
   optimizers = ((tx, schedule), (critic_tx, critic_schedule))
-  packer = common.make_packer(rl, res.seq_len, res.batch_sharding)
+  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
   steps = make_steps(config, res, critic_graphdefs[0], optimizers, shardings, packer)
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
   shaper = online.RewardShaper(config.reward)

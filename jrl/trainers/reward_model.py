@@ -32,14 +32,14 @@ import numpy as np
 from jrl import distributed, models, parallel
 from jrl import losses as L
 from jrl.data import PromptStream, packing, read_preference_jsonl
-from jrl.trainers import common, controller, setup, tasks
+from jrl.trainers import checks, common, controller, setup, tasks
 
 
 class PairBatch(NamedTuple):
   tokens: jax.Array  # [2P, T]: rows 0..P-1 chosen, P..2P-1 rejected
   mask: jax.Array  # [2P, T] bool
   margin: jax.Array  # [P] float32 required margin per pair
-  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`rl.packing`), else None
+  packed: Any = None  # jrl.data.packing.PackedInputs of the rows (`train.packing`), else None
 
 
 def sequence_scores(graphdef, params, tokens, mask, packed=None):
@@ -82,23 +82,31 @@ def train_step(state, batch, *, graphdef, tx, schedule, center_coef):
   return state, metrics
 
 
-def check(config, mesh):
+def check(config, batch_shards):
+  """The `rm` section against the mesh and the task."""
   rm = config.rm
-  if config.sft.steps:
-    raise ValueError('`sft.steps` must be 0 for reward-model training (train the SFT first).')
-  if rm.center_coef < 0:
-    raise ValueError(f'`rm.center_coef` must be >= 0, got {rm.center_coef}.')
-  if rm.margin < 0:
-    raise ValueError(f'`rm.margin` must be >= 0, got {rm.margin}.')
-  if rm.pairs_per_step < 1:
-    raise ValueError(f'`rm.pairs_per_step` must be >= 1, got {rm.pairs_per_step}.')
-  shards = setup.batch_shards(mesh)
-  if (2 * rm.pairs_per_step) % shards:
+  if (2 * rm.pairs_per_step) % batch_shards:
     raise ValueError(
-      f'`rm.pairs_per_step` x 2 must be divisible by the mesh batch axes ({shards}).'
+      f'`rm.pairs_per_step` x 2 must be divisible by the mesh batch axes ({batch_shards}).'
     )
   if not rm.train_path and config.task.kind != 'arith':
     raise ValueError('`rm.train_path` is required unless `task.kind` is "arith".')
+  checks.no_micro_batches(config, batch_shards)
+
+
+# The `rm` section: Bradley-Terry training on preference pairs. No `sft`
+# warm-up (start from an SFT export) and no sampler: evaluation scores pairs.
+SECTION = checks.Section(
+  'rm',
+  {
+    'rm.steps': checks.count(0),
+    'rm.pairs_per_step': checks.count(1),
+    'rm.margin': checks.non_negative(),
+    'rm.center_coef': checks.non_negative(),
+  },
+  check,
+)
+SECTIONS = (SECTION,)
 
 
 def pair_sources(config, res):
@@ -160,11 +168,10 @@ class Steps(NamedTuple):
 
 
 def build(config):
-  """The job of reward-model training: `rl.steps` updates on
+  """The job of reward-model training: `rm.steps` updates on
   `rm.pairs_per_step` pairs each, held-out pairwise accuracy every `eval.every`."""
+  res, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
   rm = config.rm
-  res, _ = setup.start(config)
-  check(config, res.mesh)
   next_pairs, held_out = pair_sources(config, res)
   tx, schedule = setup.optimizer(config)
   # The reward model (policy backbone + fresh scalar head) is what trains.
@@ -184,7 +191,7 @@ def build(config):
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   steps = Steps(parallel.on_mesh(res.mesh, rm_step), parallel.on_mesh(res.mesh, scores))
   replicated = setup.step_shardings(state, res.mesh)[1]
-  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
+  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
 
   def iterate(state, it):
     t_step = time.perf_counter()

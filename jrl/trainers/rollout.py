@@ -29,7 +29,7 @@ from jrl import distributed, rewards, sampler
 from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
-from jrl.trainers import common
+from jrl.trainers import checks, common
 from jrl.trainers.held_out import HeldOut, decode
 from jrl.trainers.setup import seed
 
@@ -55,7 +55,7 @@ def eval_group_sizes(config):
 
 
 def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
-  """A paged sampler for `model` on `mesh`, sized by `sampler.*` and `rl.*`
+  """A paged sampler for `model` on `mesh`, sized by `sampler.*` and `task.*`
   (`engine_overrides`: EngineConfig fields, e.g. room for forced tokens).
 
   With `sampler.num_pages` = 0 the page pool holds every slot's worst case
@@ -63,18 +63,18 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
   prompt pages, so the greedy held-out evaluation (groups of 1) needs more
   pages per slot than GRPO's groups, and a pool sized for the latter would
   leave slots idle during it."""
-  rl, sc = config.rl, config.sampler
-  sizes = group_sizes or (rl.group_size,)
+  tk, sc = config.task, config.sampler
+  sizes = group_sizes or (config.rl.group_size,)
   num_pages = sc.num_pages or max(
-    sampler.pool_pages(rl.max_prompt_len, rl.max_new_tokens, g, sc.page_size, sc.num_slots)
+    sampler.pool_pages(tk.max_prompt_len, tk.max_response_len, g, sc.page_size, sc.num_slots)
     for g in sizes
   )
   engine_config = sampler.EngineConfig(
     num_slots=sc.num_slots,
     num_pages=num_pages,
     page_size=sc.page_size,
-    max_prompt_len=rl.max_prompt_len,
-    max_new_tokens=rl.max_new_tokens,
+    max_prompt_len=tk.max_prompt_len,
+    max_new_tokens=tk.max_response_len,
     max_stop_tokens=max(1, len(stop_tokens)),
     attention_impl=sc.attention_impl,
   )._replace(**engine_overrides)
@@ -85,6 +85,50 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
     steps_per_dispatch=sc.steps_per_dispatch,
     mesh=mesh,
   )
+
+
+def check_sampler(config, batch_shards):
+  """The `sampler` section against the rollout's groups (a group's samples decode together)."""
+  del batch_shards
+  if 'rl' in config:
+    checks.need(
+      config.sampler.num_slots >= config.rl.group_size,
+      'sampler.num_slots',
+      'must be >= rl.group_size.',
+    )
+
+
+SAMPLING = checks.Section(
+  'sampling',
+  {
+    'sampling.temperature': checks.positive(),
+    'sampling.top_k': checks.count(0),
+    'sampling.top_p': checks.fraction(lo_open=True),
+  },
+)
+SAMPLER = checks.Section(
+  'sampler',
+  {
+    'sampler.num_slots': checks.count(1),
+    'sampler.page_size': checks.count(1),
+    'sampler.num_pages': checks.count(2, also=(0,)),  # page 0 is scratch; 0: sized automatically
+    'sampler.steps_per_dispatch': checks.count(1),
+  },
+  check_sampler,
+)
+REWARD = checks.Section(
+  'reward',
+  {
+    'reward.unscored_value': checks.Range(False),
+    'reward.workers': checks.count(1),
+    'reward.timeout_s': checks.positive(),
+    'reward.max_unscored_frac': checks.fraction(),
+    'reward.max_unscored_steps': checks.count(1),
+    'reward.judge_max_new_tokens': checks.count(1),
+    'reward.judge_max_prompt_len': checks.count(1),
+    'reward.clip': checks.non_negative(),
+  },
+)
 
 
 def check_reward_functions(reward_config):
@@ -247,31 +291,31 @@ class RolloutWorker:
     """Every process's prompt token lists, in global order."""
     if jax.process_count() == 1:
       return ids_local
-    width = self.config.rl.max_prompt_len
+    width = self.config.task.max_prompt_len
     padded = np.zeros((len(ids_local), width + 1), np.int32)
     for row, ids in enumerate(ids_local):
       if len(ids) > width:
-        raise ValueError(f'a prompt of {len(ids)} tokens exceeds `rl.max_prompt_len`={width}.')
+        raise ValueError(f'a prompt of {len(ids)} tokens exceeds `task.max_prompt_len`={width}.')
       padded[row, 0] = len(ids)
       padded[row, 1 : 1 + len(ids)] = ids
     return [list(r[1 : 1 + r[0]]) for r in distributed.gather_rows(padded)]
 
   def _generate(self, prompt_ids, draw, params, iteration):
-    rl = self.config.rl
+    sp = self.config.sampling
     requests = [
       sampler.Request(
         prompt=ids,
-        max_new_tokens=rl.max_new_tokens,
-        temperature=rl.temperature,
-        top_k=rl.top_k,
-        top_p=rl.top_p,
+        max_new_tokens=self.config.task.max_response_len,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
         stop_tokens=self.stop_tokens,
         seed=seed(self.config.seed, iteration, draw, i),
       )
       for i, ids in enumerate(prompt_ids)
     ]
     with self.lock:
-      groups = self.sampler.generate(params, requests, group_size=rl.group_size)
+      groups = self.sampler.generate(params, requests, group_size=self.config.rl.group_size)
     return requests, groups
 
   def _score(self, examples, groups):
@@ -350,7 +394,7 @@ class RolloutWorker:
       first_scored = first_scored or scored
       lengths = [len(c.tokens) for grp in groups for c in grp]
       penalty = overlong_penalty(
-        lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty
+        lengths, self.config.task.max_response_len, rl.overlong_buffer, rl.overlong_penalty
       )
       total = (scored.total - penalty).reshape(b, g)
       t_reward += time.perf_counter() - start

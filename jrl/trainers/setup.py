@@ -58,7 +58,7 @@ class Resources(NamedTuple):
   streams: dict  # name -> PromptStream; every position is checkpointed
   model: Model
   params: Any  # the initial policy parameters, laid out on `mesh`
-  seq_len: int  # T = rl.max_prompt_len + rl.max_new_tokens
+  seq_len: int  # T = task.max_prompt_len + task.max_response_len
   stop_tokens: tuple  # the tokenizer's end-of-sequence ids
   batch_sharding: jax.sharding.NamedSharding  # rows over data x fsdp
   tracer: trace.Tracer
@@ -111,22 +111,23 @@ def encoder(config, tok):
 
 def examples(config, enc, tok):
   """(checker, task, streams). Every example is encoded once now: a character
-  the tokenizer lacks or a prompt over `rl.max_prompt_len` fails here with
+  the tokenizer lacks or a prompt over `task.max_prompt_len` fails here with
   its file and line."""
-  rl = config.rl
+  tk = config.task
   checker = checks.ExampleChecker(
-    enc.prompt_ids, tok.encode, rl.max_prompt_len, rl.max_prompt_len + rl.max_new_tokens
+    enc.prompt_ids, tok.encode, tk.max_prompt_len, tk.max_prompt_len + tk.max_response_len
   )
   # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
   # (prompt, answer) examples: then their answers must fit a row too.
-  sft_check = checker.sft if config.sft.steps else None
+  sft = config.sft if 'sft' in config else None
+  sft_check = checker.sft if sft is not None and sft.steps else None
   train_check = checker.prompt
-  if sft_check is not None and not config.sft.train_path:
+  if sft_check is not None and not sft.train_path:
     train_check = sft_check
-  task = tasks.Task(config.task, config.seed, checker.prompt, train_check)
+  task = tasks.Task(tk, config.seed, checker.prompt, train_check)
   sft_source = task.train
-  if config.sft.train_path:
-    sft_source = read_sft_jsonl(config.sft.train_path, check=sft_check)
+  if sft_check is not None and sft.train_path:
+    sft_source = read_sft_jsonl(sft.train_path, check=sft_check)
   streams = {
     'rl_stream': PromptStream(task.train, seed=seed(config.seed, 'rl')),
     'sft_stream': PromptStream(sft_source, seed=seed(config.seed, 'sft')),
@@ -407,7 +408,7 @@ def resources(config, mesh):
   enc = encoder(config, tok)
   checker, task, streams = examples(config, enc, tok)
   model, params = build_model(config, tok, mesh)
-  rl = config.rl
+  tk = config.task
   return Resources(
     config=config,
     workdir=workdir,
@@ -419,7 +420,7 @@ def resources(config, mesh):
     streams=streams,
     model=model,
     params=params,
-    seq_len=rl.max_prompt_len + rl.max_new_tokens,
+    seq_len=tk.max_prompt_len + tk.max_response_len,
     stop_tokens=tuple(tok.eos_ids),
     batch_sharding=parallel.batch_sharding(mesh),
     tracer=trace.Tracer(enabled=config.log.trace, pid=jax.process_index()),
@@ -427,9 +428,10 @@ def resources(config, mesh):
   )
 
 
-def start(config, rollout_devices=0):
+def start(config, sections, rollout_devices=0):
   """(Resources, rollout mesh): the meshes, the config checks that need only
-  the devices (`checks.validate`), then `resources`."""
+  the devices (`checks.validate` of the shared sections and the algorithm's
+  `sections`), then `resources`."""
   mesh, rollout_mesh = meshes(config, rollout_devices)
-  checks.validate(config, batch_shards(mesh))
+  checks.validate(config, batch_shards(mesh), sections)
   return resources(config, mesh), rollout_mesh

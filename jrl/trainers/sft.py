@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jrl import distributed, parallel
 from jrl import losses as L
-from jrl.trainers import common, controller, rollout, setup
+from jrl.trainers import checks, common, controller, rollout, setup
 
 
 def sft_loss(params, graphdef, batch, chunk_size=1024):
@@ -88,8 +88,8 @@ def warmup(res, state, make_batch=response_batch):
   `make_batch(res, examples, iteration)`, one update with the SFT optimiser."""
   config = res.config
   tx, schedule = setup.sft_optimizer(config)
-  packer = common.make_packer(config.rl, res.seq_len, res.batch_sharding)
-  model = dict(graphdef=res.model.graphdef, chunk_size=config.rl.chunk_size)
+  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
+  model = dict(graphdef=res.model.graphdef, chunk_size=config.train.chunk_size)
   optim = dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum))
   shardings = setup.step_shardings(state, res.mesh)
   if packer is not None and packer.budget:
@@ -130,14 +130,29 @@ def warmup(res, state, make_batch=response_batch):
 # The SFT algorithm ---------------------------------------------------------------
 
 
+def check(config, batch_shards):
+  """The `sft` section's checks between fields and against the mesh."""
+  checks.batch_divides(config.sft.batch_size, 'sft.batch_size', batch_shards)
+
+
+# The `sft` section: the whole run of algorithm 'sft', the warm-up of the others.
+SECTION = checks.Section(
+  'sft',
+  {
+    'sft.steps': checks.count(0),
+    'sft.batch_size': checks.count(1),
+    'sft.lr': checks.positive(),
+    'sft.warmup_steps': checks.count(0),
+  },
+  check,
+)
+# What algorithm 'sft' reads besides the shared sections (the sampler: held-out generation).
+SECTIONS = (SECTION, rollout.SAMPLER)
+
+
 def build(config):
   """The job of `algorithm='sft'`: `sft.steps` iterations, nothing else."""
-  if config.rl.steps:
-    raise ValueError(
-      f'`rl.steps` must be 0 for algorithm "sft" (got {config.rl.steps}); '
-      'an SFT warm-up before RL is `sft.steps` with algorithm "grpo".'
-    )
-  res, _ = setup.start(config)
+  res, _ = setup.start(config, SECTIONS)
   tx, _ = setup.sft_optimizer(config)
   state = setup.new_state(res.params, tx, res.mesh)
   phase = warmup(res, state)

@@ -73,11 +73,11 @@ def configured(config, model_path=None, samples=None, temperature=None):
 
 def held_out_examples(config, enc, tok):
   """The held-out examples as {'prompt', 'answer', ...} dicts, checked as in
-  training: every prompt fits `rl.max_prompt_len` (or is dropped with
+  training: every prompt fits `task.max_prompt_len` (or is dropped with
   `task.long_prompts='filter'`). A prompt file's training split is not read."""
-  tk, rl = config.task, config.rl
+  tk = config.task
   checker = checks.ExampleChecker(
-    enc.prompt_ids, tok.encode, rl.max_prompt_len, rl.max_prompt_len + rl.max_new_tokens
+    enc.prompt_ids, tok.encode, tk.max_prompt_len, tk.max_prompt_len + tk.max_response_len
   )
   if tk.kind in ('file', 'jsonl'):
     examples = _eval_file(tk, checker.prompt)

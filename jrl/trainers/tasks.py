@@ -53,7 +53,7 @@ class Task:
   """Training and held-out examples as {'prompt', 'answer'} dicts.
 
   `filtered` counts the rows of prompt files left out for prompts longer than
-  `rl.max_prompt_len` (`task.long_prompts='filter'`): {'train': n, 'eval': n}.
+  `task.max_prompt_len` (`task.long_prompts='filter'`): {'train': n, 'eval': n}.
   """
 
   CHECKED_EXAMPLES = 256  # generated training examples run through `check`

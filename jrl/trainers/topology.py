@@ -28,6 +28,9 @@ import jax.numpy as jnp
 
 from jrl import checkpoint as ckpt_lib
 from jrl import models, parallel
+from jrl.trainers import checks
+
+KINDS = ('colocated', 'disaggregated', 'one_step_off')
 
 
 def _rollout_shardings(mesh, rollout_mesh, model_config, params):
@@ -165,6 +168,44 @@ class OneStepOff:
     if self.pending is not None:
       concurrent.futures.wait([self.pending])
     self.executor.shutdown(wait=True)
+
+
+def check(config, batch_shards):
+  """The `topology` section: a known kind, and devices left for both sides."""
+  del batch_shards
+  tc, need = config.topology, checks.need
+  need(tc.kind in KINDS, 'topology.kind', f'must be one of {KINDS}.')
+  need(
+    tc.kind != 'disaggregated' or tc.rollout_devices >= 1,
+    'topology.rollout_devices',
+    'must be >= 1 for a disaggregated topology.',
+  )
+  need(
+    tc.rollout_devices < jax.device_count(),
+    'topology.rollout_devices',
+    f'must leave devices for training (there are {jax.device_count()}).',
+  )
+  need(
+    tc.kind != 'colocated' or tc.rollout_devices == 0,
+    'topology.rollout_devices',
+    "must be 0 for a colocated topology (use 'disaggregated').",
+  )
+  need(
+    tc.kind != 'one_step_off' or config.algorithm == 'grpo',
+    'topology.kind',
+    "one_step_off runs the GRPO family (algorithm 'grpo') only.",
+  )
+
+
+SECTION = checks.Section(
+  'topology',
+  {
+    'topology.rollout_devices': checks.count(0),
+    'topology.staleness': checks.count(0, hi=1),
+    'topology.is_cap': checks.Range(False, 1),
+  },
+  check,
+)
 
 
 def make(config, worker, res, rollout_mesh, total):

@@ -251,7 +251,7 @@ def test_filter_drops_long_prompts_and_counts_them(tmp_path, ext):
   assert task.filtered == {'train': 4, 'eval': 2}
   got = sources.read_prompts(train, check=check.prompt, drop=(checks.PromptTooLong,), **GSM).dropped
   assert [w for w, _ in got] == [where(train, i) for i in (1, 4, 7, 10)]
-  assert got[0][1] == 'field `prompt` is 40 tokens, more than `rl.max_prompt_len`=20.'
+  assert got[0][1] == 'field `prompt` is 40 tokens, more than `task.max_prompt_len`=20.'
 
 
 @pytest.mark.parametrize('ext', ['jsonl', 'parquet'])
@@ -517,8 +517,8 @@ def test_grpo_step_on_generated_gsm_jsonl(tmp_path):
     'rl.prompts_per_step': 4,
     'rl.group_size': 4,
     'rl.minibatch_size': 8,
-    'rl.max_prompt_len': 160,
-    'rl.max_new_tokens': 4,
+    'task.max_prompt_len': 160,
+    'task.max_response_len': 4,
     'sampler.num_slots': 16,
     'eval.every': 1,
     'log.plot': False,

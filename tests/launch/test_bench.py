@@ -41,7 +41,7 @@ TINY = [
   'rl.prompts_per_step=2',
   'rl.group_size=4',
   'rl.minibatch_size=8',
-  'rl.max_new_tokens=4',
+  'task.max_response_len=4',
   'sampler.num_slots=8',
   'reward.mode=inline',
 ]

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from configs import common as config_common
 from configs import dpo_arith, grpo_arith, grpo_qwen, ppo_arith, sft_arith
 from jrl import checkpoint as ckpt_lib
 from jrl import models, rewards, trainers
@@ -44,7 +45,9 @@ from tests.helpers import REPO, capture
 
 # The shrunken job of tests/helpers.py, quiet (no evaluation, TensorBoard or
 # plot unless a test asks) and with the config's own checkpoint interval.
-SHRINK = {k: v for k, v in {**helpers.SHRINK, **helpers.QUIET}.items() if k != 'checkpoint.every'}
+SHRINK = {
+  k: v for k, v in {**config_common.SMOKE, **helpers.QUIET}.items() if k != 'checkpoint.every'
+}
 
 DIGITS = 'test_algorithms_digit_share'
 
@@ -104,13 +107,18 @@ def compilation_cache_dir(tmp_path_factory):
   compilation_cache.reset_cache()
 
 
+def shrink_fields(config):
+  """SHRINK's fields of the sections `config` has (an offline config has no `rl`)."""
+  return {k: v for k, v in SHRINK.items() if '.' not in k or k.split('.')[0] in config}
+
+
 def shrink(config_module, workdir, overrides=None):
   """`config_module.get_config()` (locked) with SHRINK and `overrides` ({'a.b': v}) set."""
   config = config_module.get_config()
-  values = {**SHRINK, 'workdir': str(workdir), **(overrides or {})}
+  values = {**shrink_fields(config), 'workdir': str(workdir), **(overrides or {})}
   # Score in the trainer's thread where the reward service offers the choice:
   # the test reward lives in this module, and worker processes cost seconds.
-  if 'mode' in config.reward and 'reward.mode' not in values:
+  if 'reward' in config and 'reward.mode' not in values:
     values['reward.mode'] = 'inline'
   for key, value in values.items():
     *parents, name = key.split('.')
@@ -394,7 +402,7 @@ def test_dpo_learns_the_preferences_of_a_small_pair_set(tmp_path, pairs_path):
     {
       'dpo.train_path': pairs_path,
       'dpo.pairs_per_step': 8,
-      'rl.steps': 30,
+      'dpo.steps': 30,
       'optim.lr': 1e-3,
       'optim.warmup_steps': 0,
       'log.every': 10,
@@ -462,7 +470,7 @@ def test_dpo_family_from_jsonl(tmp_path, pairs_path, loss, monkeypatch):
 
   capture(monkeypatch, dpo, 'make_steps', count_reference_calls)
   state = trainers.run(config)
-  d, sft_steps, steps = config.dpo, config.sft.steps, config.rl.steps
+  d, sft_steps, steps = config.dpo, config.sft.steps, config.dpo.steps
 
   recs = rl_records(tmp_path)
   assert len(recs) == steps
@@ -522,7 +530,7 @@ def sft_config(workdir, path, steps):
   return shrink(
     sft_arith,
     workdir,
-    {'sft.train_path': str(path), 'sft.steps': steps, 'rl.steps': 0, 'log.every': 100},
+    {'sft.train_path': str(path), 'sft.steps': steps, 'log.every': 100},
   )
 
 
@@ -581,8 +589,8 @@ def qwen_run(tmp_path_factory):
       'task.eval_path': write_jsonl(root / 'eval.jsonl', rows[:4]),
       'sft.steps': 0,
       'rl.steps': 3,
-      'rl.max_prompt_len': 48,
-      'rl.max_new_tokens': 8,
+      'task.max_prompt_len': 48,
+      'task.max_response_len': 8,
       'optim.lr': 1e-3,  # grpo_qwen's 1e-6 after a 10-step warm-up would not move a random model
       'optim.warmup_steps': 0,
       # No parseable answer costs more than a wrong one: rewards are spread out.
@@ -671,7 +679,7 @@ def eval_run(tmp_path_factory):
 
 def test_eval_script_reports_the_checkpoint_accuracy(eval_run, compilation_cache_dir):
   config, workdir = eval_run
-  flags = {**SHRINK, **EVAL, 'workdir': str(workdir)}
+  flags = {**shrink_fields(config), **EVAL, 'workdir': str(workdir)}
   if 'mode' in config.reward:
     flags['reward.mode'] = 'inline'
   command = [sys.executable, 'launch/eval.py', '--config', 'configs/grpo_arith.py']

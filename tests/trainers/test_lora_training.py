@@ -22,7 +22,7 @@ from jrl import models, parallel, rewards, trainers
 from jrl.models import hf as hf_lib
 from jrl.models import lora
 from jrl.models.tokenizer import CharTokenizer
-from jrl.trainers import checks, common, controller, policy_step, setup
+from jrl.trainers import common, controller, policy_step, setup
 from jrl.trainers.optim import make_optimizer
 from tests.helpers import QUIET, assert_trees_equal, optim_config, records, shrunk_config
 
@@ -326,4 +326,4 @@ def test_bad_memory_fields_are_named(tmp_path, overrides, field):
         node = node[parent]
       node[name] = value
   with pytest.raises(ValueError, match=re.escape(f'`{field}`')):
-    checks.validate(config, 1)
+    trainers.validate(config, 1)

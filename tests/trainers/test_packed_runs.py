@@ -1,4 +1,4 @@
-"""Packed runs (`rl.packing`, `rl.micro_batch_tokens`): one iteration of each
+"""Packed runs (`train.packing`, `train.micro_batch_tokens`): one iteration of each
 kind of trainer logs the padded run's figures, and a run with the TPU splash
 kernel (Pallas interpret mode here) on a mesh trains as the XLA path. The
 loss-level checks are in `test_packed_training.py`.
@@ -11,7 +11,7 @@ from configs import agent_arith, dpo_arith, grpo_arith, ppo_arith, sft_arith
 from jrl import trainers
 from jrl.models import attention_kernels
 from jrl.trainers import episodes
-from tests.helpers import QUIET, SHRINK, records, set_fields
+from tests.helpers import QUIET, records, set_fields
 
 # A run: packing changes nothing but the rows ------------------------------------
 
@@ -43,7 +43,7 @@ RUNS = {
     {**ONLINE, 'agent.sft_tool_frac': 0.9, 'sft.steps': 2},
     ['actor/pg_loss', 'actor/entropy', 'actor/grad_norm', 'actor/kl_ref'],
   ),
-  'sft': (sft_arith, {'sft.steps': 1, 'rl.steps': 0, **ONLINE}, ['sft/nll', 'sft/grad_norm']),
+  'sft': (sft_arith, ONLINE, ['sft/nll', 'sft/grad_norm']),
   'dpo': (dpo_arith, {}, ['dpo/loss', 'dpo/grad_norm', 'logps/chosen', 'logps/rejected']),
 }
 
@@ -73,14 +73,16 @@ def test_a_packed_step_logs_the_padded_steps_figures(tmp_path, monkeypatch, name
   logged = {}
   for packed in (False, True):
     workdir = tmp_path / f'packed_{packed}'
-    config = module.get_config()
-    seq_len = config.rl.max_prompt_len + config.rl.max_new_tokens
-    overrides = {**SHRINK, **QUIET, 'workdir': str(workdir), 'sft.steps': 0, 'rl.steps': 1}
-    overrides.update({'rl.packing': packed, 'rl.pack_row_len': 4 * seq_len, **fields})
+    config = module.get_config('smoke')
+    seq_len = config.task.max_prompt_len + config.task.max_response_len
+    own_steps = {'dpo': 'dpo.steps', 'sft': 'sft.steps'}.get(name, 'rl.steps')
+    overrides = {**QUIET, 'workdir': str(workdir), 'sft.steps': 0, own_steps: 1}
+    overrides.update({'train.packing': packed, 'train.pack_row_len': 4 * seq_len, **fields})
     if name in ('grpo', 'ppo', 'agent', 'sft'):
       if packed:
-        overrides.update({'rl.pack_row_len': seq_len, 'rl.micro_batch_tokens': seq_len})
-      overrides['rl.kl_coef'] = 0.01 if name != 'sft' else 0.0
+        overrides.update({'train.pack_row_len': seq_len, 'train.micro_batch_tokens': seq_len})
+      if name != 'sft':
+        overrides['rl.kl_coef'] = 0.01
     if name in ('grpo', 'ppo'):
       overrides['reward.functions'] = (f'{__name__}:digit_share',)
       overrides['reward.mode'] = 'inline'
@@ -115,10 +117,10 @@ def test_splash_attention_trains_as_the_xla_path(tmp_path, monkeypatch):
   logged = {}
   for attention in ('xla', 'splash'):
     workdir = tmp_path / attention
-    overrides = {**SHRINK, **QUIET, **ONLINE, 'workdir': str(workdir), 'rl.steps': 0}
-    overrides.update({'sft.steps': 1, 'model.attention': attention, 'rl.packing': True})
-    overrides.update({'rl.pack_row_len': 128, 'model.head_dim': 16})
-    trainers.run(set_fields(sft_arith.get_config(), overrides))
+    overrides = {**QUIET, **ONLINE, 'workdir': str(workdir), 'sft.steps': 1}
+    overrides.update({'model.attention': attention, 'train.packing': True})
+    overrides.update({'train.pack_row_len': 128, 'model.head_dim': 16})
+    trainers.run(set_fields(sft_arith.get_config('smoke'), overrides))
     logged[attention] = records(str(workdir))[-1]
   for key in ('sft/nll', 'sft/grad_norm'):
     assert logged['xla'][key] > 0, key

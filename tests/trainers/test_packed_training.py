@@ -1,4 +1,4 @@
-"""Packed training (`rl.packing`): the model runs on rows that hold several
+"""Packed training (`train.packing`): the model runs on rows that hold several
 sequences end to end, and every logprob, loss and gradient is what the
 padded rows give.
 
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from configs import dpo_arith
-from jrl import models
+from jrl import models, trainers
 from jrl.data import packing
-from jrl.trainers import checks, common, dpo, policy_step, ppo, reward_model, sft
+from jrl.trainers import common, dpo, policy_step, ppo, reward_model, sft
 from tests.helpers import set_fields, shrunk_config
 
 TINY = models.ModelConfig(
@@ -326,17 +326,19 @@ def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_row
 
 
 def test_micro_batch_tokens_needs_packing_and_a_loss_it_can_split(tmp_path):
-  config = shrunk_config(tmp_path, {'rl.micro_batch_tokens': 64})
+  config = shrunk_config(tmp_path, {'train.micro_batch_tokens': 64})
   with pytest.raises(
-    ValueError, match=r'^`rl\.micro_batch_tokens`: must be 0, or with rl\.packing'
+    ValueError, match=r'^`train\.micro_batch_tokens`: must be 0, or with train\.packing'
   ):
-    checks.validate(config, 1)
-  config = shrunk_config(tmp_path, {'rl.packing': True, 'rl.micro_batch_tokens': 8})
-  with pytest.raises(ValueError, match=r'rl\.micro_batch_tokens'):
-    checks.validate(config, 1)
-  config = set_fields(dpo_arith.get_config(), {'rl.packing': True, 'rl.micro_batch_tokens': 4096})
+    trainers.validate(config, 1)
+  config = shrunk_config(tmp_path, {'train.packing': True, 'train.micro_batch_tokens': 8})
+  with pytest.raises(ValueError, match=r'train\.micro_batch_tokens'):
+    trainers.validate(config, 1)
+  config = set_fields(
+    dpo_arith.get_config(), {'train.packing': True, 'train.micro_batch_tokens': 4096}
+  )
   with pytest.raises(ValueError, match=r"not 'dpo' \(its pair losses are not split yet\)"):
-    checks.validate(config, 1)
+    trainers.validate(config, 1)
 
 
 @pytest.mark.parametrize('batch_name', ['one_long_many_short', 'empty_responses'])
@@ -472,8 +474,8 @@ def test_a_row_that_is_not_right_padded_is_named():
 
 
 def test_pack_row_len_below_the_longest_sequence_is_refused(tmp_path):
-  config = shrunk_config(tmp_path, {'rl.packing': True, 'rl.pack_row_len': 8})
-  with pytest.raises(ValueError, match=r'^`rl\.pack_row_len`: must be 0 or at least'):
-    checks.validate(config, 1)
-  with pytest.raises(ValueError, match=r'rl\.pack_row_len'):
-    common.make_packer(config.rl, 64, None)
+  config = shrunk_config(tmp_path, {'train.packing': True, 'train.pack_row_len': 8})
+  with pytest.raises(ValueError, match=r'^`train\.pack_row_len`: must be 0 or at least'):
+    trainers.validate(config, 1)
+  with pytest.raises(ValueError, match=r'train\.pack_row_len'):
+    common.make_packer(config.train, 64, None)

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import common as config_common
 from jrl import trainers
 from jrl.metrics import read_jsonl
 from jrl.models import hf
@@ -25,15 +24,6 @@ from jrl.models.tokenizer import load_tokenizer
 from jrl.rewards.model import RewardModel
 from jrl.trainers import controller, rollout
 from tests.helpers import QUIET, shrunk_config
-
-
-def with_section(config, name, section, **fields):
-  config.unlock()
-  config[name] = section
-  for k, v in fields.items():
-    config[name][k] = v
-  config.lock()
-  return config
 
 
 def write_pairs(path, n, seed):
@@ -49,9 +39,7 @@ def pipeline(tmp_path_factory):
   root = tmp_path_factory.mktemp('rlhf')
   out = {'root': root}
   # Stage 1: SFT, exported.
-  sft = shrunk_config(
-    str(root / 'sft'), {**QUIET, 'algorithm': 'sft', 'rl.steps': 0, 'export_hf': True}
-  )
+  sft = shrunk_config(str(root / 'sft'), {**QUIET, 'algorithm': 'sft', 'export_hf': True})
   trainers.run(sft)
   out['sft_export'] = str(root / 'sft' / 'hf_export')
   # Stage 2: the reward model.
@@ -62,8 +50,10 @@ def pipeline(tmp_path_factory):
     {
       'algorithm': 'reward_model',
       'model.path': out['sft_export'],
-      'sft.steps': 0,
-      'rl.steps': 12,
+      'rm.steps': 12,
+      'rm.pairs_per_step': 8,
+      'rm.train_path': str(root / 'train.jsonl'),
+      'rm.eval_path': str(root / 'eval.jsonl'),
       'optim.lr': 3e-3,
       'eval.every': 6,
       'log.plot': False,
@@ -71,14 +61,6 @@ def pipeline(tmp_path_factory):
       'export_hf': True,
       'checkpoint.every': 6,
     },
-  )
-  with_section(
-    rm,
-    'rm',
-    config_common.rm_section(),
-    pairs_per_step=8,
-    train_path=str(root / 'train.jsonl'),
-    eval_path=str(root / 'eval.jsonl'),
   )
   trainers.run(rm)
   out['rm_export'] = str(root / 'rm' / 'hf_export')
@@ -126,9 +108,9 @@ def test_ppo_against_the_reward_model_with_normalisation(pipeline):
       'reward.mode': 'inline',
       'reward.normalize': True,
       'reward.clip': 1.5,
+      'ppo.critic_path': pipeline['rm_export'],
     },
   )
-  with_section(config, 'ppo', config_common.ppo_section(), critic_path=pipeline['rm_export'])
   job = trainers.build(config)
   # The critic starts as the reward model.
   critic = nnx.to_pure_dict(job.state.extra['critic'].params)
@@ -152,14 +134,16 @@ def test_reward_model_config_errors_name_the_field(tmp_path, pipeline):
   config = shrunk_config(
     str(tmp_path), {'algorithm': 'reward_model', 'model.path': pipeline['sft_export']}
   )
-  with_section(config, 'rm', config_common.rm_section())
-  with pytest.raises(ValueError, match=r'`sft\.steps`'):
+  # A config without the section the algorithm reads (here: a GRPO config's sections).
+  config.unlock()
+  del config['rm']
+  config.lock()
+  with pytest.raises(ValueError, match=r"^`rm`: algorithm 'reward_model' reads this section"):
     trainers.build(config)
   config = shrunk_config(
     str(tmp_path),
-    {'algorithm': 'reward_model', 'model.path': pipeline['sft_export'], 'sft.steps': 0},
+    {'algorithm': 'reward_model', 'model.path': pipeline['sft_export'], 'rm.center_coef': -1.0},
   )
-  with_section(config, 'rm', config_common.rm_section(), center_coef=-1.0)
   with pytest.raises(ValueError, match=r'`rm\.center_coef`'):
     trainers.build(config)
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import models
+from jrl import models, trainers
 from jrl.data import packing
-from jrl.trainers import checks, policy_step
+from jrl.trainers import policy_step
 from tests.helpers import shrunk_config
 
 MOE = models.ModelConfig(
@@ -87,5 +87,5 @@ def test_the_router_loss_is_added_with_its_coefficient_and_trains_the_router():
 def test_a_negative_router_coefficient_is_named(tmp_path):
   config = shrunk_config(tmp_path, {'rl.router_aux_coef': -1.0})
   with pytest.raises(ValueError, match=r'rl\.router_aux_coef'):
-    checks.validate(config, 1)
+    trainers.validate(config, 1)
   assert policy_step.loss_config(shrunk_config(tmp_path).rl).router_aux_coef == 0.0

@@ -32,8 +32,8 @@ def run(tmp_path_factory):
       'task.train_path': str(root / 'data' / 'train.jsonl'),
       'task.eval_path': str(root / 'data' / 'eval.jsonl'),
       'task.system_prompt': 'Answer with a number.',
-      'rl.max_prompt_len': 200,  # characters here: the longest questions are filtered
-      'rl.max_new_tokens': 12,
+      'task.max_prompt_len': 200,  # characters here: the longest questions are filtered
+      'task.max_response_len': 12,
       'rl.steps': 2,
       'rl.prompts_per_step': 2,
       'rl.group_size': 4,
@@ -98,7 +98,7 @@ def test_export_decodes_the_same_greedy_answers_in_transformers(run):
         ids,
         attention_mask=torch.ones_like(ids),
         do_sample=False,
-        max_new_tokens=config.rl.max_new_tokens,
+        max_new_tokens=config.task.max_response_len,
         eos_token_id=tok.convert_tokens_to_ids('<|im_end|>'),
         pad_token_id=tok.convert_tokens_to_ids('<|endoftext|>'),
       )

@@ -23,8 +23,8 @@ from tests.helpers import REPO, set_fields, write_tiny_chat_model
 
 SHRINK = {
   'task.system_prompt': 'Answer with a number.',
-  'rl.max_prompt_len': 200,  # characters here: the longest questions are filtered
-  'rl.max_new_tokens': 8,
+  'task.max_prompt_len': 200,  # characters here: the longest questions are filtered
+  'task.max_response_len': 8,
   'task.eval_size': 4,
   'sampler.num_slots': 4,
   'sampler.steps_per_dispatch': 8,

@@ -5,12 +5,22 @@ workers and no topology.
 
 import pytest
 
-from configs import common as config_common
 from configs import dpo_arith, sft_arith
 from jrl import rewards, sampler, trainers
 from jrl.rewards import server
-from jrl.trainers import agent, controller, dpo, grpo, ppo, reward_model, rollout, sft, topology
-from tests.helpers import QUIET, SHRINK, records, set_fields, shrunk_config
+from jrl.trainers import (
+  agent,
+  checks,
+  controller,
+  dpo,
+  grpo,
+  ppo,
+  reward_model,
+  rollout,
+  sft,
+  topology,
+)
+from tests.helpers import QUIET, records, set_fields, shrunk_config
 
 
 def test_registry_maps_every_algorithm_to_its_run():
@@ -32,18 +42,14 @@ def test_unknown_algorithm_names_the_field(tmp_path):
 
 
 def offline_config(algorithm, workdir):
-  fields = {**SHRINK, **QUIET, 'workdir': str(workdir), 'checkpoint.every': 100}
+  fields = {**QUIET, 'workdir': str(workdir), 'checkpoint.every': 100}
   if algorithm == 'sft':
-    return set_fields(sft_arith.get_config(), {**fields, 'sft.steps': 2, 'rl.steps': 0})
+    return set_fields(sft_arith.get_config('smoke'), {**fields, 'sft.steps': 2})
   if algorithm == 'dpo':
-    return set_fields(dpo_arith.get_config(), {**fields, 'rl.steps': 2, 'dpo.pairs_per_step': 4})
-  config = shrunk_config(workdir, {**QUIET, 'algorithm': 'reward_model', 'sft.steps': 0})
-  set_fields(config, {'rl.steps': 2, 'checkpoint.every': 100})
-  config.unlock()
-  config.rm = config_common.rm_section()
-  config.rm.pairs_per_step = 4
-  config.lock()
-  return config
+    fields.update({'dpo.steps': 2, 'dpo.pairs_per_step': 4})
+    return set_fields(dpo_arith.get_config('smoke'), fields)
+  fields.update({'algorithm': 'reward_model', 'rm.steps': 2, 'rm.pairs_per_step': 4})
+  return shrunk_config(workdir, fields)
 
 
 @pytest.mark.parametrize('algorithm', ['sft', 'dpo', 'reward_model'])
@@ -65,6 +71,11 @@ def test_offline_algorithms_build_no_sampler_reward_workers_or_topology(
   job = trainers.build(config)
   assert job.topology is None and job.shaper is None
   state = controller.train(job)
-  total = config.sft.steps + config.rl.steps
+  own = {'dpo': config.get('dpo'), 'reward_model': config.get('rm')}.get(algorithm)
+  warmup = config.sft.steps if 'sft' in config else 0
+  total = warmup + (own.steps if own else 0)
+  assert total == checks.iterations(config)
   assert [r['step'] for r in records(tmp_path)] == list(range(1, total + 1))
-  assert int(state.step) == (config.rl.steps or config.sft.steps)  # updates of the last phase
+  assert int(state.step) == (own.steps if own else warmup)  # updates of the last phase
+  # The offline configs carry no rollout sections.
+  assert 'rl' not in config and 'reward' not in config and 'topology' not in config

@@ -15,7 +15,7 @@ import pytest
 from jrl import checkpoint as ckpt_lib
 from jrl import trainers
 from jrl.metrics import read_jsonl
-from jrl.trainers import checks, controller, topology
+from jrl.trainers import controller, topology
 from tests.helpers import QUIET, assert_trees_equal, shrunk_config
 
 BASE = {**QUIET, 'rl.overlong_buffer': 4, 'rl.steps': 4, 'reward.mode': 'inline'}
@@ -152,4 +152,4 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
 def test_bad_topology_names_the_field(tmp_path, overrides, field):
   config = shrunk_config(str(tmp_path), overrides)
   with pytest.raises(ValueError, match=f'`{field}`'):
-    checks.validate(config, batch_shards=1)
+    trainers.validate(config, batch_shards=1)
