@@ -288,6 +288,11 @@ def sampler_section():
   s.num_pages = 0  # 0: enough for every slot's worst case
   s.steps_per_dispatch = 8  # decode steps per jitted call
   s.attention_impl = 'auto'  # 'auto' | 'gather' | 'pallas'
+  # With mesh.fsdp > 1, the weights the sampler reads: 'gathered' (a copy whole on each
+  # batch shard, made once per policy version: no fsdp collectives per decode step),
+  # 'sharded' (the trainer's arrays), 'auto' (gathered when the copy takes at most a
+  # quarter of a device's memory)
+  s.decode_weights = 'auto'
   return s
 
 

@@ -19,8 +19,10 @@ mesh shape works with any model (at some cost in memory).
 """
 
 import math
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -105,6 +107,57 @@ def spec_for(shape, logical_axes, mesh, rules=None, units=None):
       spec.append(axis)
       used.add(axis)
   return P(*spec)
+
+
+# The decode layout: weights whole on every batch shard (data and fsdp), still
+# split over tensor and expert, so a decode step reads its weights locally
+# instead of all-gathering every fsdp-sharded matrix on every step.
+DECODE_RULES = {**RULES, 'embed': None}
+
+
+def decode_shardings(mesh, params, logical_axes_fn, units=None):
+  """`param_shardings` with `DECODE_RULES`: the layout a sampler reads best."""
+  return param_shardings(mesh, params, logical_axes_fn, DECODE_RULES, units)
+
+
+def bytes_per_device(params, shardings):
+  """Bytes one device holds of `params` laid out with `shardings` (the
+  largest, where a dimension does not split evenly)."""
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
+    shape = sharding.shard_shape(leaf.shape)
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+# Collective ops of compiled HLO, and the shape of what each moves.
+_COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
+_HLO_SHAPE = re.compile(r'\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]')
+_HLO_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'bf16': 2, 'f16': 2}
+
+
+def collectives(hlo_text):
+  """{op: (count, bytes)} of the collectives in an HLO module's text
+  (`compiled.as_text()`), per device: each all-gather / all-reduce /
+  reduce-scatter / all-to-all / collective-permute and the bytes of its
+  output (an async `-start` op's last tuple element). An op inside a loop
+  body counts once per appearance, not per trip."""
+  found = {}
+  for line in hlo_text.splitlines():
+    if '=' not in line:
+      continue
+    for op in _COLLECTIVES:
+      marker = next((m for m in (f' {op}(', f' {op}-start(') if m in line), None)
+      if marker is None:
+        continue
+      shapes = _HLO_SHAPE.findall(line.split('=', 1)[1].split(marker)[0])
+      if shapes:
+        dtype, dims = shapes[-1]
+        n = math.prod(int(d) for d in dims.split(',') if d)
+        size = n * _HLO_BYTES.get(dtype, 8 if '64' in dtype else 4)
+        count, total = found.get(op, (0, 0))
+        found[op] = (count + 1, total + size)
+  return found
 
 
 def param_shardings(mesh, params, logical_axes_fn, rules=None, units=None):

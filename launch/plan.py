@@ -60,7 +60,12 @@ def candidate_layouts(chips, chips_per_node):
   tensors = [t for t in (1, 2, 4, 8) if t <= min(chips, chips_per_node) and chips % t == 0]
   out = []
   for t in tensors:
-    out.append(costmodel.Layout('colocated', train_chips=chips, tensor=t, rollout_tensor=t))
+    for decode in ('gathered', 'sharded') if chips // t > 1 else ('gathered',):
+      out.append(
+        costmodel.Layout(
+          'colocated', train_chips=chips, tensor=t, rollout_tensor=t, decode_weights=decode
+        )
+      )
   splits = [chips * k // 8 for k in range(1, 8) if chips * k % 8 == 0] or []
   for rollout in sorted(set(splits)):
     train = chips - rollout
@@ -148,7 +153,8 @@ def describe(layout):
   else:
     split = f'{lay.rollout_chips} rollout : {lay.train_chips} train'
   mesh = f'fsdp {lay.train_chips // lay.tensor} x tensor {lay.tensor}'
-  return f'{lay.topology:13s} {split:22s} {mesh:22s} rollout tp {lay.rollout_tensor}'
+  decode = f'decode {lay.decode_weights}' if lay.decode_copy or lay.decode_fsdp else ''
+  return f'{lay.topology:13s} {split:22s} {mesh:22s} rollout tp {lay.rollout_tensor:<2d} {decode}'
 
 
 def plan(model, hw, workload, chips, coeffs=None, top=8):
@@ -194,7 +200,7 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     return ok, bad
   best = ok[0]
   print(
-    f'  {"rank":4s} {"layout":84s} {"slots":>5s} {"micro":>5s} {"GiB/chip":>8s} {"gen s":>7s} '
+    f'  {"rank":4s} {"layout":100s} {"slots":>5s} {"micro":>5s} {"GiB/chip":>8s} {"gen s":>7s} '
     f'{"train s":>7s} '
     f'{"step s":>7s} {"chip-h/1k steps":>15s}',
     file=out,
@@ -204,7 +210,7 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     gib = max(m['train']['total'], m['rollout']['total']) / 2**30
     train = t['reference'] + t['proximal'] + t['update']
     print(
-      f'  {i + 1:<4d} {describe(pl["layout"]):84s} {pl["slots"]:5d} {pl["micro_rows"]:5d} '
+      f'  {i + 1:<4d} {describe(pl["layout"]):100s} {pl["slots"]:5d} {pl["micro_rows"]:5d} '
       f'{gib:8.1f} '
       f'{t["generate"]:7.1f} {train:7.1f} {t["step"]:7.1f} {pl["cost"] * 1000 / 3600:15.1f}',
       file=out,
@@ -216,7 +222,10 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
       f'{lay.rollout_chips}:{lay.train_chips} rollout:train' if lay.separate else 'all chips shared'
     )
     + f', training mesh fsdp {lay.train_chips // lay.tensor} x tensor {lay.tensor}, '
-    f'micro-batch {best["micro_rows"]} rows, {best["slots"]} sampler slots per replica; '
+    + (
+      f'sampler.decode_weights={lay.decode_weights}, ' if lay.decode_copy or lay.decode_fsdp else ''
+    )
+    + f'micro-batch {best["micro_rows"]} rows, {best["slots"]} sampler slots per replica; '
     f'step {best["times"]["step"]:.1f} s '
     f'({best["times"]["bound"]}-bound)',
     file=out,

@@ -30,7 +30,7 @@ class Coefficients:
   train_token_s: float  # forward + backward, per token run
   update_fixed_s: float  # per optimiser step: dispatch, and collectives not hidden
   reward_s: float  # per completion
-  reshard_s: float  # per policy version with separate rollout chips
+  reshard_s: float  # per policy version: to separate rollout chips, or the gathered decode copy
   host_frac: float = 0.0  # the part of generation that is host time (overlaps on shared chips)
   source: str = ''
 
@@ -61,8 +61,27 @@ class Coefficients:
       return 2 * model.num_layers * (volume / hw.link_bw + latency)
 
     tp_train_token = 3 * tp_allreduce(lay.tensor, 1, 0.0) / max(1, n // lay.tensor)
+    # Decoding from the trainer's fsdp-sharded weights: every matmul of every
+    # step crosses the batch shards (XLA gathers the weights or reduces the
+    # partial activations, whichever moves less); a gathered copy instead
+    # costs one all-gather per policy version (`reshard_s`).
+    b = lay.batch_shards
+    matmuls = 7 * model.num_layers + 1
+    activations = slots * model.width * w.compute_bytes * 2 * matmuls
+    decode_fsdp = 0.0
+    if lay.decode_fsdp:
+      volume = min(weights / lay.tensor, activations) * (b - 1) / b
+      decode_fsdp = matmuls * hw.collective_latency_s + volume / coll_bw
+    if lay.separate:
+      reshard = weights / max(cross_bw * min(lay.train_chips, lay.rollout_chips or 1), 1.0)
+    elif lay.decode_copy:
+      reshard = model.num_params() * w.param_bytes / lay.tensor * (b - 1) / b / coll_bw
+    else:
+      reshard = 0.0
     return cls(
-      decode_fixed_s=hw.step_overhead_s + tp_allreduce(tp_r, slots, hw.collective_latency_s),
+      decode_fixed_s=hw.step_overhead_s
+      + tp_allreduce(tp_r, slots, hw.collective_latency_s)
+      + decode_fsdp,
       decode_compute_s=slots * flops_per_token(model, ctx) / (hw.peak_flops * hw.decode_mfu * tp_r),
       decode_mem_s=weights / bw,
       decode_page_s=slots * page_bytes / bw,
@@ -72,7 +91,7 @@ class Coefficients:
       train_token_s=3 * flops_per_token(model, w.seq_len / 2) / train_peak + tp_train_token,
       update_fixed_s=comm,
       reward_s=w.reward_s,
-      reshard_s=weights / max(cross_bw * min(lay.train_chips, lay.rollout_chips or 1), 1.0),
+      reshard_s=reshard,
       host_frac=0.0,
       source=f'roofline of {hw.name}',
     )

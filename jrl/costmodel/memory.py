@@ -18,7 +18,9 @@ def memory(model, workload, layout, lengths=None):
   The KV pool holds every slot's worst case
   (shared prompt pages once per group, as `jrl.sampler.pages_needed`), split
   over the rollout tensor degree; with separate rollout chips they also
-  hold the weights in `compute_bytes`.
+  hold the weights in `compute_bytes`. On shared chips the sampler reads a
+  copy of the weights with one-step-off (sharded as the trainer's) or with
+  `decode_weights='gathered'` (whole on each batch shard, split over tensor).
 
   Returns:
     {'train': {part: bytes, 'total': bytes}, 'rollout': {...}}.
@@ -45,6 +47,8 @@ def memory(model, workload, layout, lengths=None):
   rollout = {'kv_cache': kv_pool_bytes(model, workload) / lay.rollout_tensor}
   if lay.separate:
     rollout['weights'] = p * w.compute_bytes / lay.rollout_tensor
+  elif lay.decode_copy:
+    train['rollout_weights'] = p * w.param_bytes / lay.tensor  # the gathered decode copy
   elif lay.topology == 'one_step_off':
     train['rollout_weights'] = p * w.param_bytes / shards  # the copy generation reads
   if not lay.separate:

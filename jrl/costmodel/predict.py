@@ -87,7 +87,7 @@ def predict(model, workload, layout, coeffs, lengths=None):
   update = max(compute, comm) + 0.1 * min(compute, comm)  # mostly overlapped
   stale = lay.topology == 'one_step_off'
   proximal = tokens * c.forward_token_s if stale else 0.0
-  reshard = c.reshard_s if lay.separate else 0.0
+  reshard = c.reshard_s if lay.separate or lay.decode_copy else 0.0
   rollout_side = generate + reward
   train_side = reference + proximal + update
   if lay.topology == 'one_step_off':

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
+DECODE_WEIGHTS = ('gathered', 'sharded')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +100,18 @@ class Layout:
   tensor: int = 1  # tensor-parallel degree of training (the rest is fsdp x data)
   rollout_tensor: int = 1  # tensor-parallel degree of one rollout replica
   micro_rows: int = 0  # rows per forward/backward micro-batch (0: the minibatch)
+  # On shared chips with batch shards > 1 (sampler.decode_weights): 'gathered', a
+  # copy of the weights whole on each batch shard, made once per policy version;
+  # 'sharded', the trainer's fsdp-sharded arrays, with collectives every decode step.
+  decode_weights: str = 'gathered'
 
   def __post_init__(self):
     if self.topology not in TOPOLOGIES:
       raise ValueError(f'`topology` must be one of {TOPOLOGIES}, got {self.topology!r}.')
+    if self.decode_weights not in DECODE_WEIGHTS:
+      raise ValueError(
+        f'`decode_weights` must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}.'
+      )
     if self.topology == 'disaggregated' and self.rollout_chips < 1:
       raise ValueError('`rollout_chips` must be >= 1 for a disaggregated layout.')
     if self.train_chips < 1 or self.tensor < 1 or self.rollout_tensor < 1:
@@ -120,6 +129,17 @@ class Layout:
   def batch_shards(self):
     """Ways the batch splits over the training chips (fsdp x data)."""
     return max(1, self.train_chips // self.tensor)
+
+  @property
+  def decode_copy(self):
+    """Whether generation on the shared chips reads a gathered copy of the weights."""
+    return not self.separate and self.batch_shards > 1 and self.decode_weights == 'gathered'
+
+  @property
+  def decode_fsdp(self):
+    """Whether every decode step runs collectives over the batch shards
+    (generation on the shared chips reading the trainer's sharded weights)."""
+    return not self.separate and self.batch_shards > 1 and self.decode_weights == 'sharded'
 
   @property
   def rollout_replicas(self):

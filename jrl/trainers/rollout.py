@@ -87,9 +87,14 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
   )
 
 
+DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
+
+
 def check_sampler(config, batch_shards):
   """The `sampler` section against the rollout's groups (a group's samples decode together)."""
   del batch_shards
+  dw = config.sampler.decode_weights
+  checks.need(dw in DECODE_WEIGHTS, 'sampler.decode_weights', f'must be one of {DECODE_WEIGHTS}.')
   if 'rl' in config:
     checks.need(
       config.sampler.num_slots >= config.rl.group_size,

@@ -33,6 +33,11 @@ from jrl.trainers import checks
 KINDS = ('colocated', 'disaggregated', 'one_step_off')
 
 
+# The gathered decode copy may take at most this share of a device's memory
+# (`sampler.decode_weights='auto'`); the KV pool and the training state need the rest.
+DECODE_WEIGHTS_MEMORY_SHARE = 0.25
+
+
 def _rollout_shardings(mesh, rollout_mesh, model_config, params):
   """Parameter shardings on the rollout mesh (None when it is the training mesh)."""
   if rollout_mesh is mesh:
@@ -45,17 +50,52 @@ def _rollout_shardings(mesh, rollout_mesh, model_config, params):
   )
 
 
+def decode_shardings(mode, mesh, model_config, params, memory_limit=None):
+  """The layout a colocated sampler reads the policy in, or None for the
+  trainer's own (`sampler.decode_weights`).
+
+  With fsdp > 1 the trainer's weights are split over the batch shards, and
+  every decode step of a sampler reading them runs collectives across the
+  fsdp axis for every matmul. 'gathered' copies them once per policy version
+  into `parallel.decode_shardings` (whole on each batch shard, still split
+  over tensor and expert); 'auto' does so when that copy takes at most
+  `DECODE_WEIGHTS_MEMORY_SHARE` of a device's memory (`memory_limit` bytes;
+  None: the device's `bytes_limit`, unknown on the CPU, where it fits);
+  'sharded' keeps the trainer's layout.
+  """
+  if mode == 'sharded' or mesh.shape['fsdp'] == 1:
+    return None  # without fsdp the trainer's layout is the decode layout
+  shardings = parallel.decode_shardings(
+    mesh, params, models.param_logical_axes, units=models.head_units(model_config)
+  )
+  if mode == 'gathered':
+    return shardings
+  if memory_limit is None:
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    memory_limit = stats.get('bytes_limit')
+  if memory_limit is None:
+    return shardings
+  fits = parallel.bytes_per_device(params, shardings) <= DECODE_WEIGHTS_MEMORY_SHARE * memory_limit
+  return shardings if fits else None
+
+
 class Colocated:
-  """Samples now, on the training devices, with the trainer's parameters."""
+  """Samples now, on the training devices, with the trainer's parameters:
+  its very arrays, or with `decode` shardings (`decode_shardings`) a copy in
+  the decode layout made once per policy version."""
 
   staleness = 0
 
-  def __init__(self, worker, tracer):
+  def __init__(self, worker, tracer, decode=None):
     self.worker = worker
     self.tracer = tracer
+    self.decode = decode
 
   def rollout_params(self, params):
-    return params
+    if self.decode is None:
+      return params
+    with self.tracer.span('reshard'):
+      return jax.block_until_ready(jax.device_put(params, self.decode))
 
   def next_rollout(self, params, iteration):
     t_wait = time.perf_counter()
@@ -83,12 +123,7 @@ class Disaggregated(Colocated):
   """Samples on devices of its own: one reshard per policy version."""
 
   def __init__(self, worker, tracer, shardings):
-    super().__init__(worker, tracer)
-    self.shardings = shardings
-
-  def rollout_params(self, params):
-    with self.tracer.span('reshard'):
-      return jax.block_until_ready(jax.device_put(params, self.shardings))
+    super().__init__(worker, tracer, decode=shardings)
 
 
 class OneStepOff:
@@ -100,7 +135,9 @@ class OneStepOff:
     self.staleness = staleness
     self.worker = worker
     self.tracer = tracer
-    self.shardings = shardings  # None: colocated, else the rollout mesh's
+    # The rollout mesh's, or the decode layout on the training devices; None:
+    # the trainer's layout on its devices.
+    self.shardings = shardings
     self.streams = streams
     self.total = total
     self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='rollout')
@@ -211,10 +248,14 @@ SECTION = checks.Section(
 def make(config, worker, res, rollout_mesh, total):
   """The topology of `topology.kind` around `worker` (res: setup.Resources)."""
   shardings = _rollout_shardings(res.mesh, rollout_mesh, res.model.config, res.params)
+  decode = None
+  if shardings is None:  # colocated: the decode layout, where it helps and fits
+    mode = config.sampler.decode_weights
+    decode = decode_shardings(mode, res.mesh, res.model.config, res.params)
   kind = config.topology.kind
   if kind == 'one_step_off':
     staleness = config.topology.staleness
-    return OneStepOff(worker, res.tracer, shardings, res.streams, total, staleness)
+    return OneStepOff(worker, res.tracer, shardings or decode, res.streams, total, staleness)
   if shardings is not None:
     return Disaggregated(worker, res.tracer, shardings)
-  return Colocated(worker, res.tracer)
+  return Colocated(worker, res.tracer, decode)
