@@ -287,6 +287,9 @@ def sampler_section():
   s.page_size = 8  # tokens per KV page
   s.num_pages = 0  # 0: enough for every slot's worst case
   s.steps_per_dispatch = 8  # decode steps per jitted call
+  # R data-parallel replicas: 1 (every device decodes every slot), mesh.data, or
+  # mesh.data x mesh.fsdp; each decodes num_slots / R slots from a page pool of its own
+  s.replicas = 1
   s.attention_impl = 'auto'  # 'auto' | 'gather' | 'pallas'
   # With mesh.fsdp > 1, the weights the sampler reads: 'gathered' (a copy whole on each
   # batch shard, made once per policy version: no fsdp collectives per decode step),

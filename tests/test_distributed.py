@@ -32,9 +32,15 @@ _spec = importlib.util.spec_from_file_location('local_launch', f'{REPO}/launch/l
 local_launch = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(local_launch)
 
-# Length-dependent rewards (overlong penalty) so RL updates are not zero.
+# Length-dependent rewards (overlong penalty) so RL updates are not zero. The
+# sampler runs 8 data-parallel replicas (one per device, 4 slots each): each
+# process decodes its own replicas' slots, and the drivers read the finished
+# ones from both (tests/trainers/test_rollout_layout.py: 8 replicas sample what
+# one does).
 JOB = {
   **SHRINK,
+  'sampler.num_slots': 32,
+  'sampler.replicas': 8,
   'rl.steps': 6,
   'rl.overlong_buffer': 4,
   'reward.mode': 'inline',

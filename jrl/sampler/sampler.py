@@ -34,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jrl import trace
 from jrl.sampler import engine
@@ -377,7 +378,7 @@ class Sampler:
       )
       done, free_top, held, gen = (
         np.asarray(a).reshape(-1)
-        for a in jax.device_get((state.done, state.free_top, state.num_pages, state.num_generated))
+        for a in _host((state.done, state.free_top, state.num_pages, state.num_generated))
       )
       steps_run = sched.decoded(held, gen)
       stats.decode_seconds += time.perf_counter() - start
@@ -401,7 +402,7 @@ class Sampler:
       idx = np.asarray(finished)
       out_tokens, out_logp, num_gen, reasons = (
         np.asarray(a).reshape(sched.num_slots, *np.shape(a)[2:])[idx]
-        for a in jax.device_get(
+        for a in _host(
           (state.out_tokens, state.out_logprobs, state.num_generated, state.finish_reason)
         )
       )
@@ -417,6 +418,15 @@ class Sampler:
       state = self._free(state, sched.release(finished))
     self.last_state = state
     return sched.results
+
+
+def _host(arrays):
+  """NumPy copies of whole arrays. Replicas sharded over several processes'
+  devices are gathered from every process (the same on each, so every
+  process's driver takes the same decisions)."""
+  if all(a.is_fully_addressable or a.is_fully_replicated for a in arrays):
+    return jax.device_get(arrays)
+  return multihost_utils.process_allgather(arrays, tiled=True)
 
 
 __all__ = [

@@ -62,11 +62,16 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
   for each of `group_sizes` (default: `rl.group_size`): groups share their
   prompt pages, so the greedy held-out evaluation (groups of 1) needs more
   pages per slot than GRPO's groups, and a pool sized for the latter would
-  leave slots idle during it."""
+  leave slots idle during it.
+
+  With `sampler.replicas` R > 1 the slots are split into R data-parallel
+  replicas over the mesh's batch axes, each with a pool of its own (sized
+  for its S/R slots); whole groups go to one replica."""
   tk, sc = config.task, config.sampler
   sizes = group_sizes or (config.rl.group_size,)
+  per_replica = sc.num_slots // sc.replicas
   num_pages = sc.num_pages or max(
-    sampler.pool_pages(tk.max_prompt_len, tk.max_response_len, g, sc.page_size, sc.num_slots)
+    sampler.pool_pages(tk.max_prompt_len, tk.max_response_len, g, sc.page_size, per_replica)
     for g in sizes
   )
   engine_config = sampler.EngineConfig(
@@ -78,13 +83,19 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
     max_stop_tokens=max(1, len(stop_tokens)),
     attention_impl=sc.attention_impl,
   )._replace(**engine_overrides)
-  return sampler.Sampler(
-    model.graphdef,
-    model.config,
-    engine_config,
-    steps_per_dispatch=sc.steps_per_dispatch,
-    mesh=mesh,
-  )
+  try:
+    return sampler.Sampler(
+      model.graphdef,
+      model.config,
+      engine_config,
+      steps_per_dispatch=sc.steps_per_dispatch,
+      mesh=mesh,
+      replicas=sc.replicas,
+    )
+  except ValueError as e:
+    if 'replicas' not in str(e):
+      raise
+    raise ValueError(f'`sampler.replicas`: {e}') from None
 
 
 DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
@@ -92,14 +103,19 @@ DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
 
 def check_sampler(config, batch_shards):
   """The `sampler` section against the rollout's groups (a group's samples decode together)."""
-  del batch_shards
-  dw = config.sampler.decode_weights
-  checks.need(dw in DECODE_WEIGHTS, 'sampler.decode_weights', f'must be one of {DECODE_WEIGHTS}.')
+  sc, need = config.sampler, checks.need
+  need(sc.decode_weights in DECODE_WEIGHTS, 'sampler.decode_weights', f'one of {DECODE_WEIGHTS}.')
+  need(sc.num_slots % sc.replicas == 0, 'sampler.replicas', 'must divide sampler.num_slots.')
+  need(
+    batch_shards % sc.replicas == 0,
+    'sampler.replicas',
+    f'must be 1, mesh.data or mesh.data x mesh.fsdp (the batch shards: {batch_shards}).',
+  )
   if 'rl' in config:
-    checks.need(
-      config.sampler.num_slots >= config.rl.group_size,
+    need(
+      sc.num_slots // sc.replicas >= config.rl.group_size,
       'sampler.num_slots',
-      'must be >= rl.group_size.',
+      'divided by sampler.replicas must be >= rl.group_size (a group decodes on one replica).',
     )
 
 
@@ -118,6 +134,7 @@ SAMPLER = checks.Section(
     'sampler.page_size': checks.count(1),
     'sampler.num_pages': checks.count(2, also=(0,)),  # page 0 is scratch; 0: sized automatically
     'sampler.steps_per_dispatch': checks.count(1),
+    'sampler.replicas': checks.count(1),
   },
   check_sampler,
 )

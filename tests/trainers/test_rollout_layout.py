@@ -1,13 +1,16 @@
-"""Decode weights under fsdp (`sampler.decode_weights`): a colocated sampler
+"""How the rollout sits on the training mesh.
+
+Decode weights under fsdp (`sampler.decode_weights`): a colocated sampler
 reads a copy of the policy laid out for decoding (whole on each batch
 shard, split over tensor), made once per policy version, instead of the
 trainer's fsdp-sharded arrays that every decode step would have to reach
-across the fsdp axis for.
+across the fsdp axis for. The collectives of one compiled decode dispatch
+are read from its HLO (`parallel.collectives`), before and after; the
+samples are the same; the topology makes the copy only where it helps and
+fits; the cost model and the planner count it.
 
-The collectives of one compiled decode dispatch are read from its HLO
-(`parallel.collectives`), before and after; the samples are the same; the
-topology makes the copy only where it helps and fits; the cost model and
-the planner count it.
+Data-parallel replicas in training runs (`sampler.replicas`): the same
+figures as one replica. (On two processes: tests/test_distributed.py.)
 """
 
 import json
@@ -150,3 +153,38 @@ def test_the_cost_model_and_the_planner_count_the_decode_copy():
   t_g, t_s = costmodel.predict(model, w, gathered, c_g), costmodel.predict(model, w, sharded, c_s)
   assert t_g['reshard'] > 0 and t_s['reshard'] == 0
   assert t_g['generate'] < t_s['generate']
+
+
+def test_a_run_with_sampler_replicas_logs_the_single_replica_figures(tmp_path):
+  """One SFT + one GRPO iteration with evaluation on 8 data shards: 8
+  replicas of 4 slots (each device decodes its own) sample what one
+  replica of 32 samples, so every logged figure but the timings agrees."""
+  logged = {}
+  for replicas in (1, 8):
+    overrides = {**QUIET, 'workdir': str(tmp_path / str(replicas)), 'mesh.data': 8}
+    overrides.update({'sft.steps': 1, 'rl.steps': 1, 'reward.mode': 'inline', 'eval.every': 1})
+    overrides.update({'sampler.num_slots': 32, 'sampler.replicas': replicas})
+    job = trainers.build(shrunk_config(tmp_path, overrides))
+    state = job.topology.worker.sampler.init_state()
+    assert job.topology.worker.sampler.replicas == replicas
+    assert state.page_table.shape[:2] == (replicas, 32 // replicas)
+    controller.train(job)
+    logged[replicas] = records(str(tmp_path / str(replicas)))
+  for one, eight in zip(logged[1], logged[8], strict=True):
+    keys = [k for k in one if not k.startswith(('time/', 'throughput/', 'perf/'))]
+    keys = [k for k in keys if 'idle' not in k and 'sampler/' not in k]
+    assert any(k.startswith('eval/') for k in keys) and one['step'] == eight['step']
+    for key in keys:
+      assert eight[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), (one['step'], key)
+
+
+def test_sampler_replicas_are_checked_against_the_slots_and_the_mesh(tmp_path):
+  config = shrunk_config(tmp_path, {'sampler.replicas': 3})
+  with pytest.raises(ValueError, match=r'^`sampler\.replicas`: must divide sampler\.num_slots'):
+    trainers.validate(config, 8)
+  config = shrunk_config(tmp_path, {'sampler.replicas': 8})  # 16 slots: 2 per replica < G
+  with pytest.raises(ValueError, match=r'^`sampler\.num_slots`: divided by sampler\.replicas'):
+    trainers.validate(config, 8)
+  config = shrunk_config(tmp_path, {'sampler.replicas': 4, 'sampler.num_slots': 32})
+  with pytest.raises(ValueError, match=r'^`sampler\.replicas`: must be 1, mesh\.data or'):
+    trainers.validate(config, 2)
