@@ -77,9 +77,11 @@ def test_gathered_weights_cut_the_collectives_of_a_decode_step_and_sample_the_sa
     assert after == {}
   else:  # only the tensor-parallel collectives are left
     assert 0 < count(after) < count(before) and size(after) < size(before)
+  if mesh_shape[2] != 1:
+    return  # the samples are compared once, on the mesh without a tensor axis
   requests = [
-    Request(prompt=list(range(1 + i, 4 + 2 * i)), max_new_tokens=10, seed=i, temperature=0.8)
-    for i in range(5)
+    Request(prompt=list(range(1 + i, 4 + 2 * i)), max_new_tokens=6, seed=i, temperature=0.8)
+    for i in range(3)
   ]
   want = sampler.generate(params, requests, group_size=2)
   got = sampler.generate(gathered, requests, group_size=2)
@@ -162,7 +164,7 @@ def test_a_run_with_sampler_replicas_logs_the_single_replica_figures(tmp_path):
   logged = {}
   for replicas in (1, 8):
     overrides = {**QUIET, 'workdir': str(tmp_path / str(replicas)), 'mesh.data': 8}
-    overrides.update({'sft.steps': 1, 'rl.steps': 1, 'reward.mode': 'inline', 'eval.every': 1})
+    overrides.update({'sft.steps': 1, 'rl.steps': 1, 'reward.mode': 'inline', 'eval.every': 2})
     overrides.update({'sampler.num_slots': 32, 'sampler.replicas': replicas})
     job = trainers.build(shrunk_config(tmp_path, overrides))
     state = job.topology.worker.sampler.init_state()
