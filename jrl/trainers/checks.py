@@ -264,20 +264,21 @@ def check_generated(name, examples, check):
 def validate(config, batch_shards, sections=()):
   """Raises ValueError naming the field for anything inconsistent.
 
-  The shared sections first (their ranges, `FIELDS`, then the checks between
-  their fields), then each of the algorithm's `sections` (a `Section` each):
-  present in the config, its ranges, its checks.
+  Every section present (`SHARED` and the algorithm's `sections`), then the
+  shared sections (their ranges, `FIELDS`, and the checks between their
+  fields), then each of the algorithm's (a `Section` each): its ranges, its checks.
   """
+  for name in (*SHARED, *(s.name for s in sections)):
+    need(
+      name in config,
+      name,
+      f'algorithm {config.algorithm!r} reads this section; the config has none '
+      f'(configs/common.py `base({config.algorithm!r})` has it).',
+    )
   check_fields(config)
   check_model(config.model, config.algorithm)
   check_shared(config)
   for section in sections:
-    need(
-      section.name in config,
-      section.name,
-      f'algorithm {config.algorithm!r} reads this section; the config has none '
-      f'(configs/common.py `base({config.algorithm!r})` has it).',
-    )
     check_fields(config, section.fields)
     if section.check is not None:
       section.check(config, batch_shards)
