@@ -264,10 +264,13 @@ def check_generated(name, examples, check):
 def validate(config, batch_shards, sections=()):
   """Raises ValueError naming the field for anything inconsistent.
 
-  Every section present (`SHARED` and the algorithm's `sections`), then the
-  shared sections (their ranges, `FIELDS`, and the checks between their
-  fields), then each of the algorithm's (a `Section` each): its ranges, its checks.
+  The shared ranges (`FIELDS`) and the model's fields; then every section
+  present (`SHARED` and the algorithm's `sections`); the checks between the
+  shared fields; then each of the algorithm's sections (a `Section` each):
+  its ranges, its checks.
   """
+  check_fields(config)
+  check_model(config.model, config.algorithm)
   for name in (*SHARED, *(s.name for s in sections)):
     need(
       name in config,
@@ -275,8 +278,6 @@ def validate(config, batch_shards, sections=()):
       f'algorithm {config.algorithm!r} reads this section; the config has none '
       f'(configs/common.py `base({config.algorithm!r})` has it).',
     )
-  check_fields(config)
-  check_model(config.model, config.algorithm)
   check_shared(config)
   for section in sections:
     check_fields(config, section.fields)
