@@ -29,7 +29,7 @@ from jrl import distributed, rewards, sampler
 from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
-from jrl.trainers import checks, common
+from jrl.trainers import checks, common, topology
 from jrl.trainers.held_out import HeldOut, decode
 from jrl.trainers.setup import seed
 
@@ -225,13 +225,18 @@ def held_out_evaluator(res):
   """`evaluate(state)` for the algorithms without a rollout worker: held-out
   accuracy with a greedy sampler of its own, built at the first evaluation
   (never, with `eval.every` = 0 or no held-out examples); returns (evaluate,
-  close)."""
+  close). Under fsdp it reads a copy of the parameters in the decode layout,
+  made per evaluation, where `sampler.decode_weights` says so (as a colocated
+  rollout does, `topology.decode_shardings`)."""
   held_out = []
+  layout = []
 
   def evaluate(state):
     if not res.task.held_out:
       return {}
     if not held_out:
+      mode = res.config.sampler.decode_weights
+      layout.append(topology.decode_shardings(mode, res.mesh, res.model.config, state.params))
       sampler_ = build_sampler(
         res.config, res.model, res.mesh, res.stop_tokens, eval_group_sizes(res.config)
       )
@@ -248,7 +253,11 @@ def held_out_evaluator(res):
           res.tracer,
         )
       )
-    return held_out[0].evaluate(state.params, step=int(state.step))
+    params = state.params
+    if layout[0] is not None:
+      with res.tracer.span('reshard'):
+        params = jax.block_until_ready(jax.device_put(params, layout[0]))
+    return held_out[0].evaluate(params, step=int(state.step))
 
   def close():
     for h in held_out:

@@ -9,6 +9,9 @@ are read from its HLO (`parallel.collectives`), before and after; the
 samples are the same; the topology makes the copy only where it helps and
 fits; the cost model and the planner count it.
 
+The held-out evaluation of the offline algorithms (SFT, DPO) reads the
+same copy.
+
 Data-parallel replicas in training runs (`sampler.replicas`): the same
 figures as one replica. (On two processes: tests/test_distributed.py.)
 """
@@ -135,6 +138,37 @@ def test_a_colocated_run_samples_from_the_copy_with_the_same_figures(tmp_path):
     assert ('reshard' in spans) == (mode == 'gathered')
   for key in ('reward/mean', 'response_length/mean', 'actor/pg_loss', 'actor/entropy'):
     np.testing.assert_allclose(logged['gathered'][key], logged['sharded'][key], rtol=1e-5)
+
+
+def test_the_held_out_evaluation_of_an_offline_run_reads_the_copy(tmp_path, monkeypatch):
+  """SFT on a 2 data x 4 fsdp mesh, evaluated before and after its step: the
+  held-out sampler reads a gathered copy (a 'reshard' span per evaluation)
+  and scores what the run reading the trainer's arrays scores."""
+  from jrl.trainers import held_out
+
+  logged = {}
+  for mode in ('sharded', 'gathered'):
+    workdir = tmp_path / mode
+    overrides = {**QUIET, 'algorithm': 'sft', 'workdir': str(workdir)}
+    overrides.update({'mesh.data': 2, 'mesh.fsdp': 4, 'sft.steps': 1, 'eval.every': 1})
+    overrides.update({'sampler.decode_weights': mode})
+    seen = []
+
+    def evaluate(self, params, step=None, seen=seen, original=held_out.HeldOut.evaluate):
+      seen.append({str(x.sharding.spec) for x in jax.tree.leaves(params)})
+      return original(self, params, step=step)
+
+    monkeypatch.setattr(held_out.HeldOut, 'evaluate', evaluate)
+    controller.train(trainers.build(shrunk_config(tmp_path, overrides)))
+    assert len(seen) == 2  # at the start and after the step
+    assert all(any('fsdp' in spec for spec in specs) == (mode == 'sharded') for specs in seen)
+    logged[mode] = [r for r in records(str(workdir)) if 'eval/accuracy' in r]
+    with open(workdir / 'trace.json', encoding='utf-8') as f:
+      spans = [e['name'] for e in json.load(f)['traceEvents'] if e.get('ph') == 'X']
+    assert spans.count('reshard') == (2 if mode == 'gathered' else 0)
+  assert len(logged['gathered']) == 2
+  for got, want in zip(logged['gathered'], logged['sharded'], strict=True):
+    assert got['eval/accuracy'] == want['eval/accuracy']
 
 
 def test_the_cost_model_and_the_planner_count_the_decode_copy():
