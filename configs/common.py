@@ -290,7 +290,7 @@ def sampler_section():
   # R data-parallel replicas: 1 (every device decodes every slot), mesh.data, or
   # mesh.data x mesh.fsdp; each decodes num_slots / R slots from a page pool of its own
   s.replicas = 1
-  s.attention_impl = 'auto'  # 'auto' | 'gather' | 'pallas'
+  s.attention_impl = 'auto'  # 'auto' (by backend) | 'gather' | 'pallas_gpu' | 'pallas_tpu'
   # With mesh.fsdp > 1, the weights the sampler reads: 'gathered' (a copy whole on each
   # batch shard, made once per policy version: no fsdp collectives per decode step),
   # 'sharded' (the trainer's arrays), 'auto' (gathered when the copy takes at most a

@@ -4,6 +4,7 @@
     python launch/bench.py model [--size cpu-20m|cpu-moe-60m|gpu-0.5b|gpu-moe-1b --seq 256]
     python launch/bench.py model --size real --batch 2 --seq 256 --remat none,full --lora_rank 0,16
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
+    python launch/bench.py sampler --model_path models/smollm2 --baseline hf [--prompts 8]
     python launch/bench.py grpo [--setup default|larger --steps 4]
     python launch/bench.py grpo --setup real --steps 3 --remat none,full --lora_rank 0,16 \\
         [--model_path models/smollm2 --kl_coef 0.001 --set rl.prompts_per_step=4]
@@ -113,14 +114,16 @@ def bench_logprobs(args):
 def compile_seconds():
   """Sums JAX's tracing, lowering and XLA compile durations inside the block.
 
-  Yields a one-element list that holds the total once the block exits.
+  Yields a list that holds the total seconds and the number of programs XLA
+  compiled once the block exits.
   """
-  total = [0.0]
+  total = [0.0, 0]
   active = [True]
 
   def listener(name, seconds, **_):
     if active[0] and name.startswith('/jax/core/compile/'):
       total[0] += seconds
+      total[1] += name == '/jax/core/compile/backend_compile_duration'
 
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
@@ -298,6 +301,55 @@ def bench_model(args):
       del params, trainable, frozen
 
 
+def hf_generate(path, requests, group_size, max_new, stop):
+  """A call of `transformers`' `generate` on the checkpoint at `path` for the
+  same requests: the prompts left-padded into one batch, `group_size` return
+  sequences each, sampling at temperature 1 without truncation, `stop` as the
+  end-of-sequence ids. The call returns the completion lengths (up to and
+  including the first stop token) and the bytes of its KV cache (float32, the
+  batch x the padded prompt plus the longest completion)."""
+  import types
+
+  import torch
+  import transformers
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  width = max(len(r.prompt) for r in requests)
+  ids = torch.zeros((len(requests), width), dtype=torch.long)
+  mask = torch.zeros((len(requests), width), dtype=torch.long)
+  for i, r in enumerate(requests):
+    ids[i, width - len(r.prompt) :] = torch.as_tensor(np.asarray(r.prompt))
+    mask[i, width - len(r.prompt) :] = 1
+  stops = list(stop)
+  hf = model.config
+  kv_heads = getattr(hf, 'num_key_value_heads', hf.num_attention_heads)
+  head_dim = getattr(hf, 'head_dim', None) or hf.hidden_size // hf.num_attention_heads
+  per_token = 2 * hf.num_hidden_layers * kv_heads * head_dim * 4
+
+  def run():
+    with torch.no_grad():
+      out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new,
+        num_return_sequences=group_size,
+        eos_token_id=stops or None,
+        pad_token_id=stops[0] if stops else 0,
+      )
+    new = out[:, width:].numpy()
+    hit = np.isin(new, stops)
+    lengths = [int(np.argmax(h)) + 1 if h.any() else new.shape[1] for h in hit]
+    return types.SimpleNamespace(
+      lengths=lengths, cache_bytes=per_token * new.shape[0] * (width + new.shape[1])
+    )
+
+  return run
+
+
 def bench_sampler(args):
   """GRPO-shaped rollout: jrl's paged sampler against the dense static-batch baseline.
 
@@ -307,20 +359,34 @@ def bench_sampler(args):
   the paged engine also runs without compaction. For each engine: the first
   call (compile included), the seconds spent compiling in it, and the
   steady state (median of --repeats later calls).
+
+  `--model_path`: a converted checkpoint (e.g. models/smollm2) instead of a
+  random model of --size. `--baseline hf`: the baseline is `transformers`'
+  `generate` on the checkpoint (natural mode: the same prompts, G return
+  sequences each, the stop tokens as its end-of-sequence ids, sampling at
+  temperature 1) instead of the static-batch JAX sampler.
   """
   from jrl import models, sampler
   from jrl.sampler import baseline
 
   if args.cache_dir:
     sampler.enable_compilation_cache(args.cache_dir)
-  config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
-  graphdef, params = models.create(config, jax.random.PRNGKey(0))
+  if args.baseline == 'hf' and not (args.model_path and args.mode == 'natural'):
+    raise SystemExit('--baseline hf needs --model_path and the natural mode')
+  if args.model_path:
+    from jrl.models import hf
+
+    ckpt = hf.load(args.model_path, compute_dtype=args.compute_dtype)
+    config, graphdef, params = ckpt.config, ckpt.graphdef, ckpt.params
+  else:
+    config = models.ModelConfig(**MODEL_SIZES[args.size], compute_dtype=args.compute_dtype)
+    graphdef, params = models.create(config, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   g = args.group
   long_tail = args.mode == 'long_tail'
   if long_tail:
     stop = ()
-    short = lambda: int(rng.integers(16, max(17, args.max_new // 8 + 1)))
+    short = lambda: min(args.max_new, int(rng.integers(16, max(17, args.max_new // 8 + 1))))
     limits = [
       [args.max_new if rng.random() < 0.25 else short() for _ in range(g)]
       for _ in range(args.prompts)
@@ -340,6 +406,7 @@ def bench_sampler(args):
     for i in range(args.prompts)
   ]
   page = args.page_size
+  args.slots = args.slots or args.prompts * g  # the whole batch in flight, as a static batch
   per_group = max(sampler.pages_needed(len(r.prompt), args.max_new, g, page) for r in requests)
   engine_config = sampler.EngineConfig(
     num_slots=args.slots,
@@ -366,7 +433,8 @@ def bench_sampler(args):
     return baseline.dense_generate(graphdef, params, config, requests, g, args.max_new)
 
   print(
-    f'sampler ({args.mode}): {config.num_params() / 1e6:.1f}M-param model, {args.prompts} '
+    f'sampler ({args.mode}): {config.num_params() / 1e6:.1f}M-param model'
+    f'{" " + args.model_path if args.model_path else ""}, {args.prompts} '
     f'prompts x G={g}, prompts {args.min_prompt}-{args.max_prompt} tokens, up to '
     f'{args.max_new} new, {args.slots} slots, backend {jax.default_backend()}'
   )
@@ -374,7 +442,11 @@ def bench_sampler(args):
     name: functools.partial(e.generate, params, requests, group_size=g)
     for name, e in engines.items()
   }
-  runs['dense'] = run_dense
+  if args.baseline == 'hf':
+    runs['hf'] = hf_generate(args.model_path, requests, g, args.max_new, stop)
+  else:
+    runs['dense'] = run_dense
+  base = args.baseline
   results = {}
   for name, fn in runs.items():
     start = time.perf_counter()
@@ -389,6 +461,8 @@ def bench_sampler(args):
     if name == 'dense':
       tokens = int(out.mask.sum())
       lengths = list(out.mask.sum(axis=1))
+    elif name == 'hf':
+      tokens, lengths = int(sum(out.lengths)), list(out.lengths)
     else:
       tokens = sum(len(c.tokens) for grp in out for c in grp)
       lengths = [len(c.tokens) for grp in out for c in grp]
@@ -396,19 +470,20 @@ def bench_sampler(args):
       sec=statistics.median(times),
       first=first,
       compile=compiled[0],
+      programs=compiled[1],
       tokens=tokens,
       out=out,
       lengths=lengths,
       stats=getattr(engines.get(name), 'stats', None),
     )
   for name in engines:
-    if results[name]['lengths'] != results['dense']['lengths']:
+    if base == 'dense' and results[name]['lengths'] != results['dense']['lengths']:
       print(f'  WARNING: {name} and dense produced different completion lengths')
 
   itemsize = jnp.dtype(config.compute_dtype).itemsize
   kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
   paged_bytes = smp.stats.peak_pages * page * kv_token_bytes
-  dense_bytes = results['dense']['out'].cache_bytes
+  dense_bytes = results[base]['out'].cache_bytes
   prompt_paged = sum(
     (len(r.prompt) // page + g * (len(r.prompt) % page > 0)) * page for r in requests
   )
@@ -422,28 +497,29 @@ def bench_sampler(args):
     extra = ''
     if r['stats'] is not None:
       st = r['stats']
+      rows = st.decode_rows / max(1, st.decode_steps)
       extra = (
         f'; {st.prefills} prompts in {st.prefill_calls} prefill calls, {st.dispatches} '
-        f'dispatches, {st.compactions} compactions'
+        f'dispatches ({st.compactions} on fewer rows than slots), {rows:.1f} rows per decode step'
       )
     print(
       f'  {name:21s} {r["tokens"] / r["sec"]:8.0f} output tokens/s steady ({r["tokens"]} tokens '
       f'in {r["sec"]:.2f} s, median of {args.repeats}); first call {r["first"]:.1f} s of '
-      f'which compile {r["compile"]:.1f} s{extra}'
+      f'which compile {r["compile"]:.1f} s ({r["programs"]} programs){extra}'
     )
   rate = lambda name: results[name]['tokens'] / results[name]['sec']
-  p, d = results['paged'], results['dense']
-  print(f'  tokens/s paged/dense: x{rate("paged") / rate("dense"):.2f}')
-  print(f'  first call paged/dense: x{p["first"] / d["first"]:.2f}')
+  p, d = results['paged'], results[base]
+  print(f'  tokens/s paged/{base}: x{rate("paged") / rate(base):.2f}')
+  print(f'  first call paged/{base}: x{p["first"] / d["first"]:.2f}')
   if long_tail:
     print(f'  tokens/s compaction/none: x{rate("paged") / rate("paged, no compaction"):.2f}')
   print(
     f'  KV memory: paged peak {paged_bytes / 2**20:.1f} MiB in use '
-    f'({smp.stats.peak_pages} pages of {page}) vs dense {dense_bytes / 2**20:.1f} MiB '
+    f'({smp.stats.peak_pages} pages of {page}) vs {base} {dense_bytes / 2**20:.1f} MiB '
     f'allocated: x{paged_bytes / dense_bytes:.3f}'
   )
   print(
-    f'  prompt KV: paged {prompt_paged} token slots vs dense {prompt_dense} '
+    f'  prompt KV: paged {prompt_paged} token slots vs {base} {prompt_dense} '
     f'(x{prompt_paged / prompt_dense:.3f}; (G-1)/G cut would be x{1 / g:.3f})'
   )
 
@@ -1113,13 +1189,15 @@ def main(argv=None):
   p.add_argument('--max_prompt', type=int, default=256)
   p.add_argument('--max_new', type=int, default=256)
   p.add_argument('--num_stop', type=int, default=64, help='stop tokens (sets the length tail)')
-  p.add_argument('--slots', type=int, default=32)
+  p.add_argument('--slots', type=int, default=None, help='sampler slots (default: prompts x group)')
   p.add_argument('--page_size', type=int, default=16)
   p.add_argument('--steps', type=int, default=16, help='decode steps per dispatch')
   p.add_argument('--repeats', type=int, default=1)
   p.add_argument('--mode', choices=('natural', 'long_tail'), default='natural')
   p.add_argument('--prefill_chunk', type=int, default=None, help='tokens per prefill chunk')
   p.add_argument('--cache_dir', default='', help='persistent compilation cache directory')
+  p.add_argument('--model_path', default=None, help='a converted checkpoint (models/smollm2)')
+  p.add_argument('--baseline', choices=('dense', 'hf'), default='dense')
   p = sub.add_parser('grpo', help='seconds per stage of a GRPO step')
   p.add_argument('--setup', choices=[*sorted(GRPO_SETUPS), 'real'], default='default')
   p.add_argument('--steps', type=int, default=4)

@@ -7,13 +7,20 @@ its tokens in order: token i of the slot lives in page `table[i // P]` at
 offset `i % P`. Page 0 is a scratch page: unused table entries and the
 writes of idle slots point there, and it is never read unmasked.
 
-Two implementations:
-* 'gather' (CPU, GPU, and the reference everywhere): gather the slot's pages
+Three implementations (`resolve_impl` picks one by backend for 'auto'):
+* 'gather' (CPU, and the reference everywhere): gather the slot's pages
   as [K, S, M, P, d] and compute the same float32 softmax attention as the
   model's `dot_attention`, with a strict length mask. Values at masked positions are zeroed before
   the weighted sum, so garbage in any page a slot does not own (NaN, inf)
   cannot leak into its output.
-* 'pallas' (TPU): `jax.experimental.pallas.ops.tpu.paged_attention`.
+* 'pallas_gpu' (GPU): jrl's Pallas kernel (`jrl.sampler.kernels`), one
+  program per slot and head walking the slot's pages with an online softmax;
+  pages and head widths must be powers of two, else 'auto' takes the gather
+  path. Off a GPU it runs in Pallas interpret mode (tests).
+* 'pallas_tpu' (TPU): `jax.experimental.pallas.ops.tpu.paged_attention`,
+  which computes with keys and values in bfloat16 ('auto' takes it for a
+  bfloat16 cache only) and does not zero masked values (the engine never
+  writes non-finite keys or values, so this is safe in the sampler).
 
 Sliding-window layers (Mistral, Gemma) gather only the pages that overlap
 the slot's window: a slot at length n with window W reads the
@@ -27,15 +34,31 @@ import jax
 import jax.numpy as jnp
 
 from jrl.models.attention import NEG_INF, attention_scores
+from jrl.sampler import kernels
 
-IMPLEMENTATIONS = ('auto', 'gather', 'pallas')
+IMPLEMENTATIONS = ('auto', 'gather', 'pallas_gpu', 'pallas_tpu')
 
 
-def resolve_impl(impl):
+def resolve_impl(impl, page_size=None, head_dim=None, backend=None, kv_dtype=None):
+  """The implementation `impl` names for pages of `page_size` tokens and
+  heads of `head_dim` on `backend` (default: JAX's): 'auto' is 'pallas_tpu'
+  on a TPU for a bfloat16 cache (the kernel reads keys and values as
+  bfloat16, so a float32 cache keeps the exact gather path), 'pallas_gpu'
+  on a GPU where the sizes suit it, else 'gather'."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'`attention_impl` must be one of {IMPLEMENTATIONS}, got {impl!r}.')
+  fits_gpu = kernels.gpu_supported(page_size or 1, head_dim or 1)  # unknown sizes: no check
+  if impl == 'pallas_gpu' and not fits_gpu:
+    raise ValueError(
+      f"`attention_impl`='pallas_gpu' needs a power-of-two `page_size` and head width, "
+      f'got {page_size} and {head_dim}.'
+    )
   if impl == 'auto':
-    return 'pallas' if jax.default_backend() == 'tpu' else 'gather'
+    backend = backend or jax.default_backend()
+    if backend == 'tpu':
+      bf16 = kv_dtype is None or jnp.dtype(kv_dtype) == jnp.bfloat16
+      return 'pallas_tpu' if bf16 else 'gather'
+    return 'pallas_gpu' if backend == 'gpu' and fits_gpu else 'gather'
   return impl
 
 
@@ -107,34 +130,6 @@ def paged_attention_gather(
   return out.reshape(s, h, d)
 
 
-def paged_attention_pallas(
-  q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S, *, scale=None, softcap=None
-):
-  """TPU Pallas kernel; same contract as `paged_attention_gather` (no window)."""
-  try:
-    from jax.experimental.pallas.ops.tpu import paged_attention as pallas_paged
-  except ImportError as e:  # pragma: no cover - depends on the jax build
-    raise RuntimeError(
-      'attention_impl="pallas" needs jax.experimental.pallas.ops.tpu.paged_attention; '
-      'use attention_impl="gather".'
-    ) from e
-  if scale is None:
-    scale = q_SxHxd.shape[-1] ** -0.5
-  pages_per_block = min(8, page_table_SxM.shape[1])
-  while page_table_SxM.shape[1] % pages_per_block:
-    pages_per_block -= 1
-  out = pallas_paged.paged_attention(
-    (q_SxHxd * scale).astype(k_pages.dtype),
-    k_pages,
-    v_pages,
-    lengths_S,
-    page_table_SxM,
-    pages_per_compute_block=pages_per_block,
-    attn_logits_soft_cap=softcap,
-  )
-  return out.astype(q_SxHxd.dtype)
-
-
 def paged_attention(
   impl,
   q_SxHxd,
@@ -148,8 +143,9 @@ def paged_attention(
   window=None,
 ):
   """Dispatch on `impl`; sliding-window layers always take the gather path."""
-  if impl == 'pallas' and window is None:
-    return paged_attention_pallas(
+  kernel = {'pallas_gpu': kernels.paged_attention_gpu, 'pallas_tpu': kernels.paged_attention_tpu}
+  if impl in kernel and window is None:
+    return kernel[impl](
       q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S, scale=scale, softcap=softcap
     )
   return paged_attention_gather(

@@ -47,8 +47,10 @@ def decode_step(graphdef, params, state, cfg, max_pages=None, truncate=None):
   `max_pages` (static) limits attention to the first pages of every page
   table; the caller guarantees no live slot holds more (see `generate`).
   """
-  impl = paged.resolve_impl(cfg.attention_impl)
   model = nnx.merge(graphdef, params)
+  impl = paged.resolve_impl(
+    cfg.attention_impl, cfg.page_size, model.config.head_dim, kv_dtype=state.k_pages[0].dtype
+  )
   live_S = state.active & ~state.done
   state = _grow_pages(state, live_S, cfg)
   p = cfg.page_size
@@ -136,17 +138,20 @@ def resume(state, slot_mask_S, forced_SxF, forced_len_S):
   )
 
 
-def generate(graphdef, params, state, cfg, num_steps, max_pages=None, truncate=None):
-  """Up to `num_steps` decode steps; stops early when no slot is live.
+def generate(graphdef, params, state, cfg, num_steps, max_pages=None, truncate=None, until_live=0):
+  """Up to `num_steps` decode steps; stops early when at most `until_live`
+  slots are live (default: none).
 
   `max_pages` (static, default all) bounds the pages any slot can hold
   during these steps; attention then gathers only that many pages per slot.
-  `attend_pages` computes a safe value.
+  `attend_pages` computes a safe value. `until_live` (static) hands control
+  back once half the rows have finished, so the driver can decode the rest
+  on fewer rows (`engine.generate_slots`).
   """
 
   def cond(carry):
     i, st = carry
-    return (i < num_steps) & jnp.any(st.active & ~st.done)
+    return (i < num_steps) & (jnp.sum(st.active & ~st.done) > until_live)
 
   def body(carry):
     i, st = carry

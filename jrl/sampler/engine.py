@@ -7,10 +7,10 @@ every call and the engine holds no weights:
     state  = insert(state, prefix, slots, ...)             into G free slots
     state  = admit(graphdef, params, state, ...)           B prompts: prefill_batch + insert_batch
     state  = generate(graphdef, params, state, steps)      several decode steps
+    state  = generate_slots(graphdef, params, state, index, steps)   the same on some slots only
     state  = free(state, slot_mask)                        release finished slots
-    state  = compact(state, index)                         keep some slots, drop the rest
 
-This module holds the slot lifecycle (`insert`, `admit`, `free`, `compact`)
+This module holds the slot lifecycle (`insert`, `admit`, `generate_slots`, `free`)
 and re-exports the rest of the engine: the state and its sizes
 (`jrl.sampler.state`), prefill (`jrl.sampler.prefill`), the decode loop
 (`jrl.sampler.decode`), per-sample controls (`jrl.sampler.controls`) and
@@ -229,19 +229,22 @@ def free(state, slot_mask_S):
   )
 
 
-def compact(state, index_Sc):
-  """A state of Sc = len(index) slots: slot i of the result is slot
-  `index_Sc[i]` of `state`; the page pools, reference counts and free stack
-  are kept as they are. The caller keeps every live slot and fills the rest
-  of `index_Sc` with idle ones (whose pages, if any, must be freed first),
-  so no page is lost or held twice."""
-  return state._replace(
-    **{
-      f: jnp.take(getattr(state, f), index_Sc, axis=0)
-      for f in state._fields
-      if f not in POOL_FIELDS
-    }
-  )
+def generate_slots(
+  graphdef, params, state, index_Sc, cfg, num_steps, max_pages=None, truncate=None, until_live=0
+):
+  """`generate` on the slots in `index_Sc` only: finished and idle slots cost nothing.
+
+  The per-slot fields of those Sc slots are gathered into a state of Sc
+  slots that shares the page pools, decoded for up to `num_steps` steps, and
+  scattered back; the other slots are left as they are. `index_Sc` holds
+  distinct slot ids, every live slot among them (the rest idle ones, which
+  a decode step neither writes nor samples), so the result equals
+  `generate` on the whole state while each step runs Sc rows, not S.
+  """
+  slots = [f for f in state._fields if f not in POOL_FIELDS]
+  view = state._replace(**{f: jnp.take(getattr(state, f), index_Sc, axis=0) for f in slots})
+  view = generate(graphdef, params, view, cfg, num_steps, max_pages, truncate, until_live)
+  return view._replace(**{f: getattr(state, f).at[index_Sc].set(getattr(view, f)) for f in slots})
 
 
 __all__ = [
@@ -257,11 +260,11 @@ __all__ = [
   'SlotRequest',
   'admit',
   'attend_pages',
-  'compact',
   'controlled_logits',
   'decode_step',
   'free',
   'generate',
+  'generate_slots',
   'group_pages',
   'init_state',
   'insert',

@@ -11,10 +11,11 @@ call (a batch of 1 or of the most groups a replica holds, padded to one
 bucket length; with `prefill_chunk`, one bucket and a traced number of
 chunks), inserted into free slots, decoded `steps_per_dispatch` tokens per
 jitted call, and finished slots are freed and refilled from the queue
-between dispatches. Once the queue is empty, the live slots are compacted
-into a state with fewer slots, so the long tail of a batch does not run
-finished slots through the model. The host bookkeeping (admission, page
-promises, compaction) is `jrl.sampler.scheduler`; requests, their checks
+between dispatches. A dispatch decodes only the occupied slots (gathered
+into a power-of-two number of rows, `engine.generate_slots`), so the idle
+slots of a refill round and the long tail of a batch do not run through
+the model. The host bookkeeping (admission, page promises, the slots each
+dispatch decodes) is `jrl.sampler.scheduler`; requests, their checks
 and their seeds are `jrl.sampler.requests`.
 
 Data-parallel replicas (`replicas=R`): every decode-state array has a
@@ -63,7 +64,9 @@ class SamplerStats:
   decode_seconds: float = 0.0
   env_turns: int = 0  # environment turns appended (multi-turn)
   prefill_calls: int = 0  # batched prefill calls (`prefills` counts prompts)
-  compactions: int = 0  # times the live slots were moved into a smaller state
+  compactions: int = 0  # dispatches that decoded fewer rows than slots (`compaction`)
+  decode_steps: int = 0  # decode steps run, summed over dispatches
+  decode_rows: int = 0  # rows run through the model: the sum of rows x steps per dispatch
 
 
 def default_buckets(max_prompt_len, smallest=16):
@@ -118,9 +121,10 @@ class Sampler:
       (default: as many as fit in its slots). A call's rows are padded to a
       power of two up to this (capped by the groups a replica can hold), so
       a refill of a few prompts costs a few prefills.
-    compaction: when the queue is empty, copy the live slots into a state
-      with fewer slots (a power of two per replica, at most a quarter of the
-      current count) so that finished slots stop costing decode work.
+    compaction: each dispatch decodes only the occupied slots of each
+      replica, gathered into the power of two of rows that holds them
+      (`engine.generate_slots`), so that idle and finished slots cost no
+      decode work; False decodes every slot every step.
   """
 
   def __init__(
@@ -150,6 +154,10 @@ class Sampler:
       raise ValueError(
         "`replicas` > 1 needs `moe_impl='dense'` on MoE models (ragged_dot cannot be vmapped)."
       )
+    if mesh is not None and mesh.size > 1 and engine_config.attention_impl == 'auto':
+      # jax.jit does not partition a Pallas kernel (it would run on gathered
+      # operands), so a sampler spread over several devices takes the gather path.
+      engine_config = engine_config._replace(attention_impl='gather')
     self.graphdef = graphdef
     self.model_config = model_config
     self.cfg = engine_config
@@ -203,28 +211,31 @@ class Sampler:
       )
       return per_replica(step)(state, tokens, lengths, slots, request, valid)
 
-    def generate(params, state, num_steps, max_pages, truncate):
+    # `until_live`: a dispatch ends early once at most that many rows are
+    # live (with compaction and one replica: half of them), so that the next
+    # one decodes the rest on fewer rows. Not with several replicas: each
+    # replica's loop would stop on its own count, idling it while the
+    # others run.
+    def generate(params, state, num_steps, max_pages, truncate, until_live=0):
       step = lambda st: engine.generate(
-        graphdef, params, st, rcfg, num_steps, max_pages=max_pages, truncate=truncate
+        graphdef, params, st, rcfg, num_steps, max_pages, truncate, until_live
       )
       return per_replica(step)(state)
 
+    def generate_slots(params, state, index, num_steps, max_pages, truncate, until_live=0):
+      step = lambda st, idx: engine.generate_slots(
+        graphdef, params, st, idx, rcfg, num_steps, max_pages, truncate, until_live
+      )
+      return per_replica(step)(state, index)
+
     self._admit = jax.jit(admit, static_argnames=('truncate',), donate_argnums=(1,), **out)
-    self._generate = jax.jit(
-      generate,
-      static_argnames=('num_steps', 'max_pages', 'truncate'),
-      donate_argnums=(1,),
-      **out,
+    static = ('num_steps', 'max_pages', 'truncate', 'until_live')
+    self._generate = jax.jit(generate, static_argnames=static, donate_argnums=(1,), **out)
+    self._generate_slots = jax.jit(
+      generate_slots, static_argnames=static, donate_argnums=(1,), **out
     )
     self._free = jax.jit(per_replica(engine.free), donate_argnums=(0,), **out)
     self._resume = jax.jit(per_replica(engine.resume), donate_argnums=(0,), **out)
-    # Compaction gathers the per-slot fields only; the pools are passed through
-    # untouched (no copy, and no donated buffer of the wrong shape).
-    slot_out = {}
-    if self._shardings is not None:
-      slot_out = {'out_shardings': self._shardings.page_table}
-    take = lambda fields, index_Sc: jax.tree.map(lambda x: jnp.take(x, index_Sc, axis=0), fields)
-    self._take_slots = jax.jit(per_replica(take), **slot_out)
     self._init = jax.jit(self._init_replicas, **out)
 
   def _per_replica(self, f):
@@ -262,12 +273,6 @@ class Sampler:
   def _slot_request(self, request, samples):
     """`requests.slot_request` with this sampler's sizes."""
     return slot_request(request, samples, self.cfg)
-
-  def _compact(self, state, index_RxSc):
-    """`engine.compact` per replica: the per-slot fields of the slots in
-    `index_RxSc` (local ids), the pools as they are."""
-    slots = {f: getattr(state, f) for f in state._fields if f not in engine.POOL_FIELDS}
-    return state._replace(**self._take_slots(slots, index_RxSc))
 
   def _admit_round(self, params, state, admitted, truncate, max_batch):
     """One prefill call for the groups admitted this round (`admitted[r]`:
@@ -359,28 +364,29 @@ class Sampler:
         stats.prefills += len(rows)
         stats.prefill_calls += 1
 
-      # Finished slots cost nothing: with the queue empty, keep the live slots only.
-      index = sched.compact() if self.compaction else None
-      if index is not None:
-        state = self._compact(state, index)
-        stats.compactions += 1
-
       start = time.perf_counter()
       t_start = self.tracer.now()
       active = len(sched.slot_owner)
       max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
-      state = self._generate(
-        params,
-        state,
-        num_steps=self.steps_per_dispatch,
-        max_pages=max_pages,
-        truncate=truncate,
-      )
+      decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
+      # Idle and finished slots cost nothing: decode the occupied ones only.
+      index = sched.decode_index() if self.compaction else None
+      early = self.compaction and self.replicas == 1
+      if index is None:
+        width = sched.num_slots
+        state = self._generate(params, state, **decode, until_live=early * sched.sr // 2)
+      else:
+        width = index.size
+        until_live = early * index.shape[1] // 2
+        state = self._generate_slots(params, state, index, **decode, until_live=until_live)
+        stats.compactions += 1
       done, free_top, held, gen = (
         np.asarray(a).reshape(-1)
         for a in _host((state.done, state.free_top, state.num_pages, state.num_generated))
       )
       steps_run = sched.decoded(held, gen)
+      stats.decode_steps += steps_run
+      stats.decode_rows += width * steps_run
       stats.decode_seconds += time.perf_counter() - start
       self.tracer.add(
         'decode',
@@ -388,6 +394,7 @@ class Sampler:
         self.tracer.now(),
         'sampler',
         active=active,
+        rows=width,
         steps=steps_run,
         max_pages=int(max_pages),
       )

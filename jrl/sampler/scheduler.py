@@ -1,5 +1,6 @@
 """The host side of continuous batching: the queue, the slots of every
-replica, page promises, refills, compaction and finished samples.
+replica, page promises, refills, the slots each dispatch decodes and
+finished samples.
 
 Admission: a group is admitted when enough slots are idle and its
 worst-case page count (prompt plus `max_new_tokens` per sample, prompt
@@ -77,7 +78,7 @@ class Scheduler:
   """Bookkeeping of one `Sampler.generate` call.
 
   Slots are numbered globally r·sr + j (replica r, local slot j, sr slots
-  per replica: fewer after a compaction). Whole groups go to one replica
+  per replica). Whole groups go to one replica
   each (their samples share the prompt's pages), the one with the most idle
   slots among those with room.
   """
@@ -87,7 +88,7 @@ class Scheduler:
     self.cfg = cfg
     self.capacity = cfg.num_pages - 1  # per replica
     self.num_r = replicas
-    self.sr = sr = slots_per_replica  # slots per replica (fewer after a compaction)
+    self.sr = sr = slots_per_replica  # slots per replica
     self.max_new = [r.per_sample('max_new_tokens', group_size) for r in requests]
     per_group = group_size if share_prompt else 1
     self.max_batch = min(batch, sr // per_group)  # groups per prefill call
@@ -153,33 +154,22 @@ class Scheduler:
       self.next_group += 1
     return admitted
 
-  def compact(self):
-    """With the queue empty, keeps the live slots only: the [R, Sc] int32
-    local slot ids to keep (live ones first, then idle ones), with the host
-    state renumbered to match; None when the cut would be under 4x."""
-    if self.pending or not self.slot_owner:
-      return None
+  def decode_index(self):
+    """The slots the next dispatch decodes: an [R, Sc] int32 array of local
+    slot ids, each replica's live slots first (ascending) and idle ones
+    after them, with Sc the power of two that holds the most live slots of
+    any replica; None when that is every slot (Sc >= sr). So finished and
+    idle slots cost no decode work, and at most log2(sr) narrower programs
+    compile."""
     num_r, sr = self.num_r, self.sr
-    live = [[s % sr for s in self.slot_owner if s // sr == k] for k in range(num_r)]
-    target = pow2_at_least(max(len(x) for x in live))
-    if target > sr // 4:  # a 4x cut at least: few compiled slot counts
+    live = [sorted(s % sr for s in self.slot_owner if s // sr == k) for k in range(num_r)]
+    width = pow2_at_least(max(len(x) for x in live))
+    if width >= sr:
       return None
-    index = np.zeros((num_r, target), np.int32)
-    remap = {}
-    for k in range(num_r):
-      keep = sorted(live[k])
-      idle = [j for j in range(sr) if j not in set(keep)]
-      index[k] = keep + idle[: target - len(keep)]
-      for new, old in enumerate(keep):
-        remap[k * sr + old] = k * target + new
-    flat = (np.arange(num_r)[:, None] * sr + index).reshape(-1)
-    self.held_pages, self.generated = self.held_pages[flat], self.generated[flat]
-    self.slot_owner = {remap[s]: v for s, v in self.slot_owner.items()}
-    self.env_spans = collections.defaultdict(list, {remap[s]: v for s, v in self.env_spans.items()})
-    self.sr = sr = target
-    self.free_slots = [
-      [j for j in range(sr) if k * sr + j not in self.slot_owner] for k in range(num_r)
-    ]
+    index = np.zeros((num_r, width), np.int32)
+    for k, keep in enumerate(live):
+      taken = set(keep)
+      index[k] = keep + [j for j in range(sr) if j not in taken][: width - len(keep)]
     return index
 
   def decoded(self, held, gen):

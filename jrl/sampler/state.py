@@ -32,7 +32,7 @@ class EngineConfig(NamedTuple):
   max_prompt_len: int  # longest prompt accepted
   max_new_tokens: int  # longest completion (requests may ask for fewer)
   max_stop_tokens: int = 4  # stop tokens per request
-  attention_impl: str = 'auto'  # 'auto' | 'gather' | 'pallas'
+  attention_impl: str = 'auto'  # 'auto' | 'gather' | 'pallas_gpu' | 'pallas_tpu'
   max_forced_tokens: int = 1  # longest environment turn appended by `resume` (multi-turn)
   max_bias_tokens: int = 8  # Kb: logit-bias and banned-token entries per request
   max_stop_sequences: int = 2  # Q: multi-token stop sequences per request
@@ -63,7 +63,7 @@ class EngineConfig(NamedTuple):
         raise ValueError(f'`{name}` must be a positive int, got {value!r}.')
     if self.num_pages < 2:
       raise ValueError(f'`num_pages` must be >= 2 (page 0 is scratch), got {self.num_pages}.')
-    paged.resolve_impl(self.attention_impl)
+    paged.resolve_impl(self.attention_impl, self.page_size)
 
 
 class DecodeState(NamedTuple):
@@ -175,7 +175,7 @@ def init_state(model_config, cfg):
   )
 
 
-# Shared by every slot: `compact` keeps them as they are.
+# Shared by every slot: `generate_slots` passes them through whole.
 POOL_FIELDS = ('k_pages', 'v_pages', 'refcount', 'free_stack', 'free_top')
 
 

@@ -1,6 +1,7 @@
 """Smoke tests for `launch/bench.py grpo --setup real` (the GRPO step of
-configs/grpo_smollm2_gsm.py, once per remat policy and LoRA rank) and
-`launch/bench.py update` (padded vs packed rows).
+configs/grpo_smollm2_gsm.py, once per remat policy and LoRA rank),
+`launch/bench.py update` (padded vs packed rows) and `launch/bench.py
+sampler` (the paged engine against the static batch and `transformers`).
 
 The checkpoint is a tiny random Llama in SmolLM2's layout, written the way
 `launch/prepare_model.py` makes models/smollm2: a llama.cpp-style GGUF (the
@@ -141,3 +142,45 @@ def test_update_bench_packs_a_long_tailed_batch_into_fewer_rows(capsys):
   micro = re.search(r'  micro .*rows x length (\[.*?\])', out).group(1)
   one_length = re.search(r'  micro/1L .*rows x length (\[.*?\])', out).group(1)
   assert '(2, 64)' in micro and set(re.findall(r', (\d+)\)', one_length)) == {'64'}
+
+
+SAMPLER_TINY = ['--prompts', '2', '--group', '2', '--min_prompt', '8', '--max_prompt', '16']
+SAMPLER_TINY += ['--max_new', '8', '--page_size', '4', '--steps', '4', '--repeats', '1']
+
+
+def _engine_lines(out):
+  """{engine: (tokens/s, first call s, compile s)} of the sampler bench's printout."""
+  found = re.findall(
+    r'\n  (\S.*?) +([\d.]+) output tokens/s steady .*?first call ([\d.]+) s of which compile '
+    r'([\d.]+) s',
+    out,
+  )
+  return {name: tuple(float(v) for v in values) for name, *values in found}
+
+
+def test_sampler_bench_long_tail_runs_the_engine_with_and_without_compaction(capsys):
+  # Limits of 32 (long) and 16 (short) new tokens.
+  bench.main(
+    ['sampler', '--size', 'cpu-tiny', '--mode', 'long_tail', *SAMPLER_TINY, '--max_new', '32']
+  )
+  out = capsys.readouterr().out
+  assert '4 slots' in out  # the whole batch in flight by default: 2 prompts x G=2
+  engines = _engine_lines(out)
+  assert set(engines) == {'paged', 'paged, no compaction', 'dense'}, out
+  assert all(rate > 0 and first > 0 for rate, first, _ in engines.values())
+  assert 'WARNING' not in out  # the same completion lengths in every engine
+  assert re.search(r'tokens/s compaction/none: x[\d.]+', out)
+  rows = re.search(r'paged, no compaction .* ([\d.]+) rows per decode step', out)
+  assert rows and float(rows.group(1)) == 4.0
+
+
+def test_sampler_bench_against_transformers_generate(tiny_smollm2, capsys):
+  argv = ['sampler', '--model_path', tiny_smollm2, '--baseline', 'hf', '--num_stop', '4']
+  bench.main(argv + SAMPLER_TINY)
+  out = capsys.readouterr().out
+  assert tiny_smollm2 in out.splitlines()[0]
+  assert set(_engine_lines(out)) == {'paged', 'hf'}, out
+  for ratio in ('tokens/s paged/hf', 'first call paged/hf', 'KV memory: paged peak'):
+    assert ratio in out, out
+  with pytest.raises(SystemExit, match='--baseline hf needs --model_path'):
+    bench.main(['sampler', '--size', 'cpu-tiny', '--baseline', 'hf', *SAMPLER_TINY])

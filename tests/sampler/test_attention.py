@@ -1,4 +1,7 @@
-"""Paged attention (gather path) against the model's dense attention."""
+"""Paged attention: the gather path against the model's dense attention, and
+the Pallas kernels (GPU, TPU) against the gather path in interpret mode."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,5 +70,101 @@ def test_attend_pages_bounds_growth_with_few_variants():
 def test_unknown_attention_impl_is_refused():
   with pytest.raises(ValueError, match='attention_impl'):
     attention.resolve_impl('flash')
-  expected = 'pallas' if jax.default_backend() == 'tpu' else 'gather'
-  assert attention.resolve_impl('auto') == expected
+  with pytest.raises(ValueError, match="'pallas_gpu' needs a power-of-two `page_size`"):
+    attention.resolve_impl('pallas_gpu', page_size=12, head_dim=64)
+
+
+@pytest.mark.parametrize(
+  'backend, page_size, head_dim, expected',
+  [
+    ('cpu', 16, 64, 'gather'),
+    ('gpu', 16, 64, 'pallas_gpu'),
+    ('gpu', 12, 64, 'gather'),  # Triton tiles are powers of two: the gather path
+    ('gpu', 16, 80, 'gather'),
+    ('tpu', 16, 64, 'pallas_tpu'),
+  ],
+)
+def test_auto_picks_the_kernel_of_the_backend(backend, page_size, head_dim, expected):
+  pick = functools.partial(attention.resolve_impl, 'auto', page_size, head_dim)
+  assert pick(backend=backend, kv_dtype=jnp.bfloat16) == expected
+  if backend == jax.default_backend():
+    assert pick(kv_dtype=jnp.bfloat16) == expected
+  # The TPU kernel reads keys and values as bfloat16: a float32 cache stays exact.
+  assert pick(backend='tpu', kv_dtype=jnp.float32) == 'gather'
+
+
+def _paged_case(rng, heads, kv_heads, d=8, page=4, n_pages=12):
+  """Pools, a table of 4 slots (one idle: length 1 on the scratch page) and
+  queries, with NaN wherever no slot may read."""
+  k_pages = rng.normal(size=(kv_heads, n_pages, page, d)).astype(np.float32)
+  v_pages = rng.normal(size=(kv_heads, n_pages, page, d)).astype(np.float32)
+  table = np.array([[3, 7, 0, 0], [1, 2, 9, 4], [5, 0, 0, 0], [0, 0, 0, 0]], np.int32)
+  lengths = np.array([6, 15, 1, 1], np.int32)
+  q = rng.normal(size=(4, heads, d)).astype(np.float32)
+  owned = np.zeros((n_pages, page), bool)
+  for s in range(4):
+    for pos in range(lengths[s]):
+      owned[table[s, pos // page], pos % page] = True
+  k_dirty, v_dirty = k_pages.copy(), v_pages.copy()
+  k_dirty[:, ~owned] = np.nan
+  v_dirty[:, ~owned] = np.nan
+  return [jnp.asarray(x) for x in (q, k_pages, v_pages, table, lengths, k_dirty, v_dirty)]
+
+
+@pytest.mark.parametrize('heads, kv_heads', [(4, 2), (6, 2), (4, 4)])
+@pytest.mark.parametrize('scale, softcap', [(None, None), (0.3, 5.0)])
+def test_gpu_kernel_equals_the_gather_path_in_interpret_mode(heads, kv_heads, scale, softcap):
+  from jrl.sampler import kernels
+
+  q, k_pages, v_pages, table, lengths, k_dirty, v_dirty = _paged_case(
+    np.random.default_rng(heads + kv_heads), heads, kv_heads
+  )
+  opts = dict(scale=scale, softcap=softcap)
+  want = attention.paged_attention_gather(q, k_pages, v_pages, table, lengths, **opts)
+  for kp, vp in ((k_pages, v_pages), (k_dirty, v_dirty)):
+    got = kernels.paged_attention_gpu(q, kp, vp, table, lengths, interpret=True, **opts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  # Through the dispatcher, as the decode step calls it.
+  got = attention.paged_attention('pallas_gpu', q, k_pages, v_pages, table, lengths, **opts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_tpu_kernel_equals_the_gather_path_in_interpret_mode():
+  """JAX's TPU kernel, run in TPU interpret mode, on keys and values that
+  bfloat16 holds exactly (the kernel reads them as bfloat16), with finite
+  garbage where no slot may read (it does not zero masked values)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  rng = np.random.default_rng(1)
+  q, k_pages, v_pages, table, lengths, k_dirty, v_dirty = _paged_case(rng, 4, 2)
+  as_bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  k_pages, v_pages = as_bf16(k_pages), as_bf16(v_pages)
+  garbage = lambda clean, dirty: jnp.where(jnp.isnan(dirty), 1e4, clean)
+  opts = dict(scale=0.3, softcap=5.0)
+  want = attention.paged_attention_gather(q, k_pages, v_pages, table, lengths, **opts)
+  with pltpu.force_tpu_interpret_mode():
+    for kp, vp in ((k_pages, v_pages), (garbage(k_pages, k_dirty), garbage(v_pages, v_dirty))):
+      got = attention.paged_attention('pallas_tpu', q, kp, vp, table, lengths, **opts)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_kernel_lowers_to_triton_without_a_gpu():
+  """The kernel as a GPU would compile it: lowered for CUDA on this machine
+  (no device needed) it is one Triton call over the (slot, head) grid, in
+  SmolLM2's head layout (9 query heads over 3 kv heads) with a bfloat16 cache."""
+  from jrl.sampler import kernels
+
+  s, h, k, d, n, p, m = 8, 9, 3, 64, 64, 16, 8
+  shapes = (
+    jax.ShapeDtypeStruct((s, h, d), jnp.float32),
+    jax.ShapeDtypeStruct((k, n, p, d), jnp.bfloat16),
+    jax.ShapeDtypeStruct((k, n, p, d), jnp.bfloat16),
+    jax.ShapeDtypeStruct((s, m), jnp.int32),
+    jax.ShapeDtypeStruct((s,), jnp.int32),
+  )
+  fn = jax.jit(functools.partial(kernels.paged_attention_gpu, interpret=False, softcap=30.0))
+  text = fn.trace(*shapes).lower(lowering_platforms=('cuda',)).as_text()
+  calls = [line for line in text.splitlines() if 'custom_call' in line]
+  assert len(calls) == 1 and '__gpu$xla.gpu.triton' in calls[0]
+  assert 'grid_x = 8 : i32, grid_y = 9 : i32' in calls[0]
+  assert '-> tensor<8x9x64xf32>' in calls[0]

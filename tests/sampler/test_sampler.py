@@ -1117,9 +1117,53 @@ def test_compaction_samples_the_same():
   got = compacted.generate(params, requests, group_size=4)
   assert plain.stats.compactions == 0 and compacted.stats.compactions >= 1
   _assert_same(got, want, logp_atol=1e-6)
-  assert compacted.last_state.page_table.shape[1] < 16
-  st = jax.device_get(compacted.last_state)
-  assert st.free_top.tolist() == [ECFG.num_pages - 1] and not st.refcount.any()
+  # Fewer rows run through the model: 16 per step without compaction. (A
+  # dispatch also ends once half its rows have finished, so the two runs'
+  # dispatches differ.)
+  assert plain.stats.decode_rows == 16 * plain.stats.decode_steps
+  assert compacted.stats.decode_rows < plain.stats.decode_rows
+  for smp in (plain, compacted):
+    st = jax.device_get(smp.last_state)
+    assert st.free_top.tolist() == [ECFG.num_pages - 1] and not st.refcount.any()
+    assert not st.active.any()
+
+
+def test_the_gpu_kernel_samples_what_the_gather_path_samples():
+  """The whole sampler with `attention_impl='pallas_gpu'` (interpret mode on
+  the CPU): the same tokens, logprobs to 1e-5."""
+  graphdef, params = _model()
+  requests = _requests(MIXED, seed=41)[:4]
+  got = {}
+  for impl in ('gather', 'pallas_gpu'):
+    smp = Sampler(graphdef, CFG, ECFG._replace(attention_impl=impl), steps_per_dispatch=4)
+    got[impl] = smp.generate(params, requests, group_size=2)
+  _assert_same(got['pallas_gpu'], got['gather'], logp_atol=1e-5)
+  # A Pallas kernel is not partitioned by jax.jit: 'auto' on a mesh of several
+  # devices takes the gather path; on one device it stays 'auto' (by backend).
+  mesh = parallel.make_mesh(8)
+  assert Sampler(graphdef, CFG, ECFG, mesh=mesh).cfg.attention_impl == 'gather'
+  assert (
+    Sampler(
+      graphdef, CFG, ECFG, mesh=parallel.make_mesh(1, devices=jax.devices()[:1])
+    ).cfg.attention_impl
+    == 'auto'
+  )
+
+
+def test_decode_index_keeps_the_occupied_slots_of_each_replica():
+  """The rows a dispatch decodes: each replica's occupied slots in order, then
+  idle ones up to a power of two; None when that is every slot."""
+  from jrl.sampler.scheduler import Scheduler
+
+  cfg = ECFG._replace(num_slots=16)
+  sched = Scheduler([], 1, True, cfg, 2, 8, 8)  # 2 replicas of 8 slots
+  assert sched.decode_index() is not None  # nothing occupied: one row each
+  sched.slot_owner = {s: None for s in (1, 6, 9, 10, 12)}  # replica 0: 1, 6; replica 1: 1, 2, 4
+  np.testing.assert_array_equal(sched.decode_index(), [[1, 6, 0, 2], [1, 2, 4, 0]])
+  sched.slot_owner = {s: None for s in (0, 1, 2, 3, 4, 8)}  # 5 occupied on replica 0: all 8
+  assert sched.decode_index() is None
+  sched.slot_owner = {3: None}
+  np.testing.assert_array_equal(sched.decode_index(), [[3], [0]])
 
 
 def test_compilation_cache_persists_programs(tmp_path):
