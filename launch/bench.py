@@ -500,7 +500,8 @@ def bench_sampler(args):
       rows = st.decode_rows / max(1, st.decode_steps)
       extra = (
         f'; {st.prefills} prompts in {st.prefill_calls} prefill calls, {st.dispatches} '
-        f'dispatches ({st.compactions} on fewer rows than slots), {rows:.1f} rows per decode step'
+        f'dispatches ({st.compactions} on fewer rows than slots), {rows:.1f} rows per decode step; '
+        f'prefill {st.prefill_seconds:.1f} s, decode {st.decode_seconds:.1f} s'
       )
     print(
       f'  {name:21s} {r["tokens"] / r["sec"]:8.0f} output tokens/s steady ({r["tokens"]} tokens '

@@ -381,6 +381,20 @@ def test_simulated_schedule_matches_the_sampler():
   prefills, dispatches = costmodel.simulate_generation(workload, lengths)
   assert prefills == smp.stats.prefills == b
   assert len(dispatches) == smp.stats.dispatches
+  # The same decode steps, on the same rows.
+  assert sum(steps for steps, _, _ in dispatches) == smp.stats.decode_steps
+  assert sum(steps * rows for steps, _, rows in dispatches) == smp.stats.decode_rows
+  # A long tail (one long sample per group, no stop tokens): the tail's
+  # dispatches decode fewer rows than slots, in the simulation as in the sampler.
+  tail = [dataclasses.replace(r, max_new_tokens=[new, 2, 3, 2], stop_tokens=()) for r in requests]
+  groups = smp.generate(params, tail, group_size=g)
+  lengths = [len(c.tokens) for grp in groups for c in grp]
+  assert lengths == [new, 2, 3, 2] * b
+  prefills, dispatches = costmodel.simulate_generation(workload, lengths)
+  assert (prefills, len(dispatches)) == (smp.stats.prefills, smp.stats.dispatches)
+  assert sum(steps for steps, _, _ in dispatches) == smp.stats.decode_steps
+  assert sum(steps * rows for steps, _, rows in dispatches) == smp.stats.decode_rows
+  assert smp.stats.decode_rows < slots * smp.stats.decode_steps
 
 
 def test_response_lengths_have_the_stated_mean_max_and_clip_fraction():

@@ -15,9 +15,11 @@ class Coefficients:
   """Seconds per unit of work of each stage, on one rollout replica (generation)
   or on the training chips together (the rest).
 
-  A decode step costs `decode_fixed_s + max(decode_compute_s,
-  decode_mem_s + decode_page_s · pages)`, where `pages` is the page bound
-  the sampler attends to (every slot is computed every step).
+  A decode step of all `num_slots` slots costs `decode_fixed_s +
+  max(decode_compute_s, decode_mem_s + decode_page_s · pages)`, where
+  `pages` is the page bound the sampler attends to; a step that decodes
+  fewer rows (the occupied slots only) scales the compute and page terms by
+  rows / num_slots (`predict`).
   """
 
   decode_fixed_s: float
@@ -189,7 +191,10 @@ def calibrate(trace, workload=None, model=None, reference_model=None, lengths=No
     raise ValueError('the trace has no decode spans: record a run with `log.trace` on.')
   decode = [e for e in decode if e['args']['steps'] > 0]
   steps = np.asarray([e['args']['steps'] for e in decode], np.float64)
-  pages = np.asarray([e['args']['max_pages'] for e in decode], np.float64)
+  # Page reads per step scale with the page bound and the rows decoded (a
+  # trace recorded before dispatches had rows decoded every slot).
+  rows = np.asarray([e['args'].get('rows', w.num_slots) for e in decode], np.float64)
+  pages = np.asarray([e['args']['max_pages'] for e in decode], np.float64) * rows / w.num_slots
   secs = np.asarray([e['dur'] for e in decode], np.float64) / 1e6 / steps
   a, b = _fit(pages, secs)
   prefill = _events(trace, 'prefill')

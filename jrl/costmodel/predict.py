@@ -6,15 +6,19 @@ import math
 from jrl.costmodel.workload import tokens_run
 
 
-def simulate_generation(workload, lengths=None):
-  """The sampler's schedule for one step: (prefills, [(steps, page bound)] per dispatch).
+def simulate_generation(workload, lengths=None, early_exit=True):
+  """The sampler's schedule for one step: (prefills, [(steps, page bound,
+  rows)] per dispatch).
 
   Mirrors `jrl.sampler.Sampler.generate`: groups admitted in order while G
-  slots are free; each dispatch runs up to `steps_per_dispatch` steps for
-  all slots (fewer when every slot finishes sooner); slots that finished
-  are freed at the dispatch boundary; the page
-  bound is the most pages any slot can hold after the dispatch, rounded up
-  to a power of two (at most the per-slot maximum), as `attend_pages`.
+  slots are free; each dispatch decodes the occupied slots, gathered into
+  the power of two of rows that holds them (every slot when that is not
+  fewer), for up to `steps_per_dispatch` steps, ending early once no slot
+  is live or, with `early_exit` (the sampler's one-replica case), once at
+  most half its rows are; slots that finished are freed at the dispatch
+  boundary; the page bound is the most pages any slot can hold after the
+  dispatch, rounded up to a power of two (at most the per-slot maximum), as
+  `attend_pages`.
   """
   w = workload
   lengths = list(workload.response_lengths() if lengths is None else lengths)
@@ -34,10 +38,15 @@ def simulate_generation(workload, lengths=None):
       prefills += 1
     held = max(math.ceil(t / page) for _, t in running)
     bound = min(1 << max(0, math.ceil(math.log2(held + math.ceil(k / page) + 1))), max_pages)
-    # The decode loop stops early once no slot is live.
-    dispatches.append((min(k, max((r[0] for r in running), default=0)), bound))
+    width = 1 << max(0, math.ceil(math.log2(len(running))))
+    rows = s if width >= s else width
+    until = rows // 2 if early_exit else 0
+    steps = 0
+    while steps < k and sum(r[0] > steps for r in running) > until:
+      steps += 1
+    dispatches.append((steps, bound, rows))
     for r in running:
-      step = min(k, r[0])
+      step = min(steps, r[0])
       r[0] -= step
       r[1] += step
     done = [r for r in running if r[0] <= 0]
@@ -70,10 +79,21 @@ def predict(model, workload, layout, coeffs, lengths=None):
   replicas = lay.rollout_replicas
   per_replica = dataclasses.replace(w, prompts_per_step=max(1, -(-w.prompts_per_step // replicas)))
   all_lengths = list(w.response_lengths() if lengths is None else lengths)
-  prefills, dispatches = simulate_generation(per_replica, all_lengths[: per_replica.rows])
+  prefills, dispatches = simulate_generation(
+    per_replica, all_lengths[: per_replica.rows], early_exit=replicas == 1
+  )
+  # A step's compute and page reads scale with the rows it decodes; the
+  # weights are read once whatever the rows.
   decode = sum(
-    steps * (c.decode_fixed_s + max(c.decode_compute_s, c.decode_mem_s + c.decode_page_s * pages))
-    for steps, pages in dispatches
+    steps
+    * (
+      c.decode_fixed_s
+      + max(
+        c.decode_compute_s * rows / w.num_slots,
+        c.decode_mem_s + c.decode_page_s * pages * rows / w.num_slots,
+      )
+    )
+    for steps, pages, rows in dispatches
   )
   generate = prefills * (c.prefill_fixed_s + c.prefill_token_s * w.prompt_len) + decode
   reward = w.rows * c.reward_s
