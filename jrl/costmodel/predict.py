@@ -12,10 +12,11 @@ def simulate_generation(workload, lengths=None, early_exit=True):
 
   Mirrors `jrl.sampler.Sampler.generate`: groups admitted in order while G
   slots are free; each dispatch decodes the occupied slots, gathered into
-  the power of two of rows that holds them (every slot when that is not
-  fewer), for up to `steps_per_dispatch` steps, ending early once no slot
-  is live or, with `early_exit` (the sampler's one-replica case), once at
-  most half its rows are; slots that finished are freed at the dispatch
+  the power of two of rows that holds them and at least an eighth of the
+  slots (every slot when that is not fewer), for up to
+  `steps_per_dispatch` steps, ending early once no slot is live or, with
+  `early_exit` (the sampler's one-replica case), once at most half its rows
+  are; slots that finished are freed at the dispatch
   boundary; the page bound is the most pages any slot can hold after the
   dispatch, rounded up to a power of two (at most the per-slot maximum), as
   `attend_pages`.
@@ -38,7 +39,7 @@ def simulate_generation(workload, lengths=None, early_exit=True):
       prefills += 1
     held = max(math.ceil(t / page) for _, t in running)
     bound = min(1 << max(0, math.ceil(math.log2(held + math.ceil(k / page) + 1))), max_pages)
-    width = 1 << max(0, math.ceil(math.log2(len(running))))
+    width = 1 << max(0, math.ceil(math.log2(max(len(running), s // 8, 1))))
     rows = s if width >= s else width
     until = rows // 2 if early_exit else 0
     steps = 0
