@@ -12,8 +12,8 @@ def simulate_generation(workload, lengths=None, early_exit=True):
 
   Mirrors `jrl.sampler.Sampler.generate`: groups admitted in order while G
   slots are free; each dispatch decodes the occupied slots, gathered into
-  the power of two of rows that holds them and at least an eighth of the
-  slots (every slot when that is not fewer), for up to
+  the power of two of rows that holds them (every slot when that is not
+  fewer), for up to
   `steps_per_dispatch` steps, ending early once no slot is live or, with
   `early_exit` (the sampler's one-replica case), once at most half its rows
   are; slots that finished are freed at the dispatch
@@ -39,12 +39,13 @@ def simulate_generation(workload, lengths=None, early_exit=True):
       prefills += 1
     held = max(math.ceil(t / page) for _, t in running)
     bound = min(1 << max(0, math.ceil(math.log2(held + math.ceil(k / page) + 1))), max_pages)
-    width = 1 << max(0, math.ceil(math.log2(max(len(running), s // 8, 1))))
+    width = 1 << max(0, math.ceil(math.log2(len(running))))
     rows = s if width >= s else width
     until = rows // 2 if early_exit else 0
-    steps = 0
-    while steps < k and sum(r[0] > steps for r in running) > until:
-      steps += 1
+    # The loop runs while more than `until` slots have tokens left: until the
+    # (until + 1)-th longest remainder is used up, k steps at most.
+    left = sorted((r[0] for r in running), reverse=True)
+    steps = min(k, max(left[until], 0)) if len(left) > until else 0
     dispatches.append((steps, bound, rows))
     for r in running:
       step = min(steps, r[0])

@@ -122,10 +122,9 @@ class Sampler:
       power of two up to this (capped by the groups a replica can hold), so
       a refill of a few prompts costs a few prefills.
     compaction: each dispatch decodes only the occupied slots of each
-      replica, gathered into the power of two of rows that holds them (at
-      least an eighth of the slots; `engine.generate_slots`), so that idle
-      and finished slots cost no decode work; False decodes every slot
-      every step.
+      replica, gathered into the power of two of rows that holds them
+      (`engine.generate_slots`), so that idle and finished slots cost no
+      decode work; False decodes every slot every step.
   """
 
   def __init__(

@@ -158,14 +158,12 @@ class Scheduler:
     """The slots the next dispatch decodes: an [R, Sc] int32 array of local
     slot ids, each replica's live slots first (ascending) and idle ones
     after them, with Sc the power of two that holds the most live slots of
-    any replica, and at least an eighth of the slots (below that a step's
-    fixed cost, the weights read once, dominates, and each width is one
-    more program to compile); None when that is every slot (Sc >= sr). So
-    finished and idle slots cost no decode work, and at most three
-    narrower programs compile."""
+    any replica; None when that is every slot (Sc >= sr). So finished and
+    idle slots cost no decode work, and at most log2(sr) narrower programs
+    compile."""
     num_r, sr = self.num_r, self.sr
     live = [sorted(s % sr for s in self.slot_owner if s // sr == k) for k in range(num_r)]
-    width = pow2_at_least(max(max(len(x) for x in live), sr // 8))
+    width = pow2_at_least(max(len(x) for x in live))
     if width >= sr:
       return None
     index = np.zeros((num_r, width), np.int32)

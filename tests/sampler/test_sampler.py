@@ -1164,10 +1164,6 @@ def test_decode_index_keeps_the_occupied_slots_of_each_replica():
   assert sched.decode_index() is None
   sched.slot_owner = {3: None}
   np.testing.assert_array_equal(sched.decode_index(), [[3], [0]])
-  # At least an eighth of the slots: 2 rows of 16.
-  sched = Scheduler([], 1, True, cfg, 1, 16, 16)
-  sched.slot_owner = {5: None}
-  np.testing.assert_array_equal(sched.decode_index(), [[5, 0]])
 
 
 def test_compilation_cache_persists_programs(tmp_path):
