@@ -153,9 +153,14 @@ def train_section():
   # losses and gradients as the padded rows, fewer tokens through the model.
   s.packing = False
   s.pack_row_len = 0
-  # With packing: split each (mini)batch's packed rows into micro-batches of at most
-  # this many tokens per batch shard (gradients summed, one optimiser step; the
-  # same result as the whole batch at once). 0: the batch in one pass.
+  # Shared prompts (jrl.data.layouts.shared_prompt): the sequences that share a
+  # prompt (a GRPO group, a DPO pair) in one row, the prompt computed once and
+  # each completion attending to it; same losses and gradients. Not with packing.
+  s.shared_prompt = False
+  # Split each (mini)batch's rows (padded, packed or shared-prompt) into
+  # micro-batches of at most this many tokens per batch shard (gradients summed,
+  # one optimiser step; the same result as the whole batch at once). 0: the
+  # batch in one pass.
   s.micro_batch_tokens = 0
   return s
 
@@ -277,6 +282,9 @@ def sampling_section():
   s.temperature = 1.0  # sampling temperature (also the trainer's logprobs are at it)
   s.top_k = 0  # 0: off
   s.top_p = 1.0  # 1: off
+  # Tokens a completion has before its stop tokens may be drawn (0: off; at most
+  # task.max_response_len, which then fixes every completion's length).
+  s.min_new_tokens = 0
   return s
 
 

@@ -191,6 +191,13 @@ class PackedInputs(NamedTuple):
   index: np.ndarray  # [B, T] int32 into the flattened R·L
   valid: np.ndarray  # [B, T] bool, the columns of each sequence held here
   select: np.ndarray  # [B] bool, the sequences these rows hold
+  # Shared-prompt rows (`jrl.data.layouts.shared_prompt`): [R, G, U] bool real
+  # tokens of each row's G branches after its prompt; None: plain segments.
+  branches: np.ndarray | None = None
+  # Where logprobs are read (`jrl.data.layouts.with_window`); None: everywhere.
+  window_index: np.ndarray | None = None  # [B, W] int32 into R·L: the predicting state
+  window_start: np.ndarray | None = None  # [B] int32 column of sequence b's first window token
+  window_valid: np.ndarray | None = None  # [B, W] bool
 
 
 def sequence_lengths(mask_BxT):

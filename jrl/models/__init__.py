@@ -6,6 +6,7 @@ from jrl.models.attention import (
   positions_from_mask,
   positions_from_segments,
   segment_starts,
+  shared_prompt_attention,
 )
 from jrl.models.config import LinearRopeScaling, LoraConfig, ModelConfig, RopeScaling
 from jrl.models.logical_axes import head_units, param_logical_axes
@@ -16,6 +17,7 @@ from jrl.models.transformer import (
   create_sharded,
   hidden_states,
   logits,
+  logprobs_at,
   next_token_logprobs,
   sequence_scores,
   values,

@@ -198,6 +198,77 @@ def causal_attention(
   return attend_layer
 
 
+def shared_prompt_attention(mask_RxL, positions_RxL, branches_RxGxU, config=None):
+  """Attention of shared-prompt rows (`jrl.data.layouts.shared_prompt`): each
+  row holds one prompt in its first P = L − G·U columns, then G branches of
+  U columns, each a completion of that prompt. A prompt token sees the
+  prompt's real tokens before it; a branch token sees the whole prompt and
+  its own branch's real tokens before it, never another branch. So every
+  branch gets exactly the attention of its unshared row (prompt +
+  completion), while the prompt's keys and values are computed once.
+
+  The branch queries attend over [prompt ‖ own branch] keys (P + U), not
+  the row's L: the cost is that of the unshared rows less the repeated
+  prompts. Always the XLA `dot_attention` (no kernel takes this mask yet).
+
+  Args:
+    mask_RxL: [R, L] bool real tokens.
+    positions_RxL: [R, L] int positions (a branch continues its prompt's).
+    branches_RxGxU: [R, G, U] bool real branch tokens (its shape gives G, U).
+    config: ModelConfig for each layer's window, scale and soft-cap (None: plain).
+  """
+  r, g, u = branches_RxGxU.shape
+  length = mask_RxL.shape[1]
+  p = length - g * u
+  if p < 1:
+    raise ValueError(f'shared-prompt rows of {length} columns hold no prompt before {g} x {u}.')
+  mask_RxL = mask_RxL.astype(bool)
+  eye_PxP = jnp.eye(p, dtype=bool)
+  # Prompt queries: causal over the prompt's real keys (and themselves).
+  prompt_RxPxP = jnp.tril(jnp.ones((p, p), bool))[None] & (mask_RxL[:, None, :p] | eye_PxP)
+  # Branch queries: every real prompt key, then causal over the branch's real keys.
+  own_UxU = jnp.tril(jnp.ones((u, u), bool))
+  branch_real = branches_RxGxU.reshape(r * g, u)
+  prompt_keys = jnp.broadcast_to(mask_RxL[:, None, None, :p], (r, g, u, p)).reshape(r * g, u, p)
+  own = own_UxU[None] & (branch_real[:, None, :] | jnp.eye(u, dtype=bool)[None])
+  branch_NxUxS = jnp.concatenate([prompt_keys, own], axis=-1)
+  pos_prompt = positions_RxL[:, :p]
+  pos_branch = positions_RxL[:, p:].reshape(r * g, u)
+  pos_keys = jnp.concatenate(
+    [jnp.broadcast_to(pos_prompt[:, None], (r, g, p)).reshape(r * g, p), pos_branch], axis=-1
+  )
+
+  def masks(window):
+    if window is None:
+      return prompt_RxPxP, branch_NxUxS
+    inside_p = within_window(pos_prompt[:, :, None], pos_prompt[:, None, :], window) | eye_PxP
+    inside_b = within_window(pos_branch[:, :, None], pos_keys[:, None, :], window)
+    return prompt_RxPxP & inside_p, branch_NxUxS & inside_b
+
+  def attend_layer(layer, q, k, v, cache):
+    opts = (
+      AttentionOptions(None, None, None) if config is None else attention_options(config, layer)
+    )
+    allowed_prompt, allowed_branch = masks(opts.window)
+    kw = dict(scale=opts.scale, softcap=opts.softcap)
+    out_prompt = dot_attention(q[:, :p], k[:, :p], v[:, :p], allowed_prompt, **kw)
+
+    def keys(x_RxLxKxd):
+      # [prompt ‖ own branch] per branch: the prompt's keys repeated G times.
+      kd = x_RxLxKxd.shape[2:]
+      shared = jnp.broadcast_to(x_RxLxKxd[:, None, :p], (r, g, p, *kd))
+      return jnp.concatenate([shared, x_RxLxKxd[:, p:].reshape(r, g, u, *kd)], axis=2).reshape(
+        r * g, p + u, *kd
+      )
+
+    q_branch = q[:, p:].reshape(r * g, u, *q.shape[2:])
+    out_branch = dot_attention(q_branch, keys(k), keys(v), allowed_branch, **kw)
+    out = jnp.concatenate([out_prompt, out_branch.reshape(r, g * u, *q.shape[2:])], axis=1)
+    return out, cache
+
+  return attend_layer
+
+
 def positions_from_mask(mask_BxT):
   """Positions that start at 0 on each row's first real token (left padding)."""
   mask = mask_BxT.astype(jnp.int32)

@@ -38,6 +38,7 @@ from jrl.models.attention import (
   positions_from_mask,
   positions_from_segments,
   segment_starts,
+  shared_prompt_attention,
 )
 from jrl.models.config import ModelConfig
 from jrl.models.layers import MLP, Attention, AttentionFn, Block, Dense, Embed, MoE, RMSNorm
@@ -256,6 +257,7 @@ def hidden_states(
   positions=None,
   *,
   segment_ids=None,
+  branches=None,
   with_router_loss=False,
 ):
   """Final normed hidden states for full sequences (training forward).
@@ -279,6 +281,8 @@ def hidden_states(
   _check_batch(tokens, mask, positions)
   if segment_ids is not None and segment_ids.shape != tokens.shape:
     raise ValueError(f'`segment_ids` must have shape {tokens.shape}, got {segment_ids.shape}.')
+  if branches is not None and positions is None:
+    raise ValueError("`branches` (shared-prompt rows) needs the rows' `positions`.")
   if mask is None:
     mask = jnp.ones(tokens.shape, bool) if segment_ids is None else segment_ids > 0
   if positions is None:
@@ -287,7 +291,12 @@ def hidden_states(
     )
   model = nnx.merge(graphdef, params)
   cfg = model.config
-  attention = causal_attention(mask, positions, cfg, segment_ids, implementation=cfg.attention_impl)
+  if branches is None:
+    attention = causal_attention(
+      mask, positions, cfg, segment_ids, implementation=cfg.attention_impl
+    )
+  else:
+    attention = shared_prompt_attention(mask, positions, branches, cfg)
   hidden, _, router_logits = model(tokens, positions, attention, return_router_logits=True)
   if not with_router_loss:
     return hidden
@@ -353,9 +362,45 @@ def next_token_logprobs(
   return (*out, aux) if with_router_loss else out
 
 
-def values(graphdef, params, tokens, mask=None, positions=None, *, segment_ids=None):
+def logprobs_at(
+  graphdef,
+  params,
+  hidden_RxLxD,
+  index_BxW,
+  targets_BxW,
+  *,
+  temperature=1.0,
+  chunk_size=1024,
+  with_entropy=False,
+):
+  """Logprobs (and entropies) of `targets` predicted by the hidden states at
+  `index` (flat into R·L): the output projection and the float32 softmax run
+  at those W positions per sequence only, never at the others (prompts,
+  padding). Gradients reach each hidden state once per use (a shared
+  prompt's last state once per completion).
+
+  Returns:
+    (logp [B, W] float32, entropy [B, W] float32).
+  """
+  r, length, d = hidden_RxLxD.shape
+  hidden_BxWxD = hidden_RxLxD.reshape(r * length, d)[index_BxW]
+  model = nnx.merge(graphdef, params)
+  return losses.token_logprobs_from_hidden(
+    hidden_BxWxD,
+    model.unembed(),
+    targets_BxW,
+    temperature=temperature,
+    chunk_size=chunk_size,
+    with_entropy=with_entropy,
+    softcap=model.config.final_softcap,
+  )
+
+
+def values(graphdef, params, tokens, mask=None, positions=None, *, segment_ids=None, branches=None):
   """[B, T] float32 scalar-head outputs (critic values per token)."""
-  hidden = hidden_states(graphdef, params, tokens, mask, positions, segment_ids=segment_ids)
+  hidden = hidden_states(
+    graphdef, params, tokens, mask, positions, segment_ids=segment_ids, branches=branches
+  )
   return nnx.merge(graphdef, params).scalar(hidden)
 
 
@@ -403,6 +448,7 @@ __all__ = [
   'create_sharded',
   'hidden_states',
   'logits',
+  'logprobs_at',
   'next_token_logprobs',
   'sequence_scores',
   'softcap_logits',

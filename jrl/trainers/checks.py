@@ -302,11 +302,17 @@ def check_shared(config):
     f'must be 0 or at least max_prompt_len + max_response_len = {seq_len} (a row holds '
     'the longest sequence).',
   )
-  row_len = train.pack_row_len or seq_len
+  row_len = (train.pack_row_len or seq_len) if train.packing else seq_len
   need(
-    not train.micro_batch_tokens or (train.packing and train.micro_batch_tokens >= row_len),
+    not train.micro_batch_tokens or train.micro_batch_tokens >= row_len,
     'train.micro_batch_tokens',
-    f'must be 0, or with train.packing on at least one packed row ({row_len} tokens).',
+    f'must be 0 or at least one row, max_prompt_len + max_response_len = {row_len} tokens'
+    + (' (train.pack_row_len with packing).' if train.packing else '.'),
+  )
+  need(
+    not (train.packing and train.shared_prompt),
+    'train.shared_prompt',
+    'and train.packing are two layouts of the rows: turn one off.',
   )
 
 

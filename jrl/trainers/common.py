@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl import distributed, models
-from jrl.data import packing
+from jrl.data import layouts, packing
 from jrl.models import lora
 
 
@@ -104,10 +104,12 @@ def token_logprobs(
   with `with_router_loss` (0 for a dense model).
 
   With `packed` (`jrl.data.packing.PackedInputs` of this batch, on the
-  device) the model runs on the packed rows, where attention stays inside
-  each sequence and positions restart, and the results are gathered back
-  to the [B, T] layout: the same values as the padded forward (to float
-  summation order), so every loss and aggregation after it is unchanged.
+  device: padded, packed or shared-prompt rows, `jrl.data.layouts`) the
+  model runs on its rows and the results come back to the [B, T] layout:
+  the same values as the padded forward (to float summation order), so
+  every loss and aggregation after it is unchanged. With its window
+  (`layouts.with_window`) the vocabulary projection runs at the window's
+  positions only, and logp and entropy are 0 elsewhere (prompts, padding).
   """
   if packed is None:
     return models.next_token_logprobs(
@@ -120,29 +122,83 @@ def token_logprobs(
       with_entropy=with_entropy,
       with_router_loss=with_router_loss,
     )
-  logp_RxL, ent_RxL, *aux = models.next_token_logprobs(
+  if packed.window_index is None:
+    logp_RxL, ent_RxL, *aux = models.next_token_logprobs(
+      graphdef,
+      params,
+      packed.tokens,
+      positions=packed.positions,
+      segment_ids=packed.segment_ids,
+      temperature=temperature,
+      chunk_size=chunk_size,
+      with_entropy=with_entropy,
+      with_router_loss=with_router_loss,
+    )
+    unpack = lambda x: packing.unpack_on_device(x, packed.index, packed.valid)
+    return (unpack(logp_RxL), unpack(ent_RxL), *aux)
+  hidden_RxLxD, aux = models.hidden_states(
     graphdef,
     params,
     packed.tokens,
     positions=packed.positions,
     segment_ids=packed.segment_ids,
+    branches=packed.branches,
+    with_router_loss=True,
+  )
+  t = tokens.shape[1]
+  w = packed.window_index.shape[1]
+  cols_BxW = packed.window_start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+  targets_BxW = jnp.take_along_axis(tokens, jnp.clip(cols_BxW, 0, t - 1), axis=1)
+  logp_BxW, ent_BxW = models.logprobs_at(
+    graphdef,
+    params,
+    hidden_RxLxD,
+    packed.window_index,
+    targets_BxW,
     temperature=temperature,
     chunk_size=chunk_size,
     with_entropy=with_entropy,
-    with_router_loss=with_router_loss,
   )
-  unpack = lambda x: packing.unpack_on_device(x, packed.index, packed.valid)
-  return (unpack(logp_RxL), unpack(ent_RxL), *aux)
+  back = lambda x: from_window(x, packed.window_start, packed.window_valid, t)
+  out = (back(logp_BxW), back(ent_BxW))
+  return (*out, aux) if with_router_loss else out
+
+
+def from_window(x_BxW, start_B, valid_BxW, length):
+  """[B, W] values of each sequence's window (columns start_b + w) -> the
+  [B, T] layout, 0 outside the valid window; differentiable (a gather)."""
+  w = x_BxW.shape[1]
+  x_BxW = jnp.where(valid_BxW, x_BxW, 0.0)
+  col_BxT = jnp.arange(length, dtype=jnp.int32)[None, :] - start_B[:, None]
+  inside = (col_BxT >= 0) & (col_BxT < w)
+  picked = jnp.take_along_axis(x_BxW, jnp.clip(col_BxT, 0, w - 1), axis=1)
+  return jnp.where(inside, picked, 0.0)
+
+
+def predecessor_values(v_RxL, packed):
+  """[B, T]: entry t is the per-token value of the rows at sequence b's token
+  t − 1 (0 at t = 0 and off the sequence), through `packed.index`: the
+  value of the prefix before token t (a critic's V_t) in any layout."""
+  index = jnp.pad(packed.index[:, :-1], ((0, 0), (1, 0)))
+  first = jnp.arange(packed.index.shape[1])[None, :] == 0
+  ok = packed.valid & ~first
+  return jnp.where(ok, v_RxL.reshape(-1)[index], 0.0)
 
 
 def with_packed(batch, packer):
-  """`batch` (placed on the mesh, with a `packed` field) with its rows packed
-  by `packer` (a list of micro-batches when it has a token budget), or
-  unchanged when `packer` is None."""
+  """`batch` (placed on the mesh, with a `packed` field) laid out for the
+  model by `packer` (a list of micro-batches when it has a token budget),
+  with its logprob window when the batch has a `loss_mask`; unchanged when
+  `packer` is None."""
   if packer is None:
     return batch
+  loss_mask = getattr(batch, 'loss_mask', None)
   return batch._replace(
-    packed=packer.for_step(distributed.fetch(batch.tokens), distributed.fetch(batch.mask))
+    packed=packer.for_step(
+      distributed.fetch(batch.tokens),
+      distributed.fetch(batch.mask),
+      None if loss_mask is None else distributed.fetch(loss_mask),
+    )
   )
 
 
@@ -161,17 +217,28 @@ def only_held(x_BxT, held, fill=0.0):
   return x_BxT if held is None else jnp.where(held, x_BxT, fill)
 
 
+LAYOUTS = ('padded', 'packed', 'shared_prompt')
+
+
 class Packer:
-  """Packs right-padded minibatches for the model (`train.packing`): rows of
-  `row_len` tokens, a row count from a few sizes (`packing.row_count`) that
-  is a multiple of the batch shards, placed with `sharding`.
+  """Lays minibatches out for the model (`jrl.data.layouts`), placed with
+  `sharding`, row counts a multiple of the batch shards:
+
+  * 'padded': a row per sequence, cut to the minibatch's longest;
+  * 'packed' (`train.packing`): sequences end to end in rows of `row_len`;
+  * 'shared_prompt' (`train.shared_prompt`): a row per prompt, its
+    completions as branches that each see the prompt once computed.
 
   With a token budget (`train.micro_batch_tokens` per batch shard, 0: none)
-  `split` cuts a minibatch's packed rows into micro-batches of at most that
-  many tokens per shard (`packing.micro_batches`). `last` keeps the padded
-  and packed token efficiency of the last batch packed."""
+  `split` cuts a minibatch into micro-batches of at most that many tokens
+  per shard. With a loss mask each part gets its logprob window
+  (`layouts.with_window`). `last` keeps the padded and laid-out token
+  efficiency of the last batch."""
 
-  def __init__(self, row_len, sharding, budget=0):
+  def __init__(self, row_len, sharding, budget=0, kind='packed'):
+    if kind not in LAYOUTS:
+      raise ValueError(f'layout must be one of {LAYOUTS}, got {kind!r}.')
+    self.kind = kind
     self.row_len = int(row_len)
     self.sharding = sharding
     self.multiple = batch_shards(sharding)
@@ -179,27 +246,43 @@ class Packer:
     self.last = (1.0, 1.0)
 
   def _place(self, host):
-    return packing.PackedInputs(*(place_global(x, self.sharding) for x in host))
+    return jax.tree.map(lambda x: place_global(x, self.sharding), host)
 
-  def __call__(self, tokens_BxT, mask_BxT):
-    """PackedInputs on the device from host [B, T] arrays: every sequence."""
-    host = packing.pack_padded(tokens_BxT, mask_BxT, self.row_len, self.multiple)
-    self.last = packing.efficiency(mask_BxT, [host])
-    return self._place(host)
+  def parts(self, tokens_BxT, mask_BxT, loss_mask_BxT=None):
+    """Host PackedInputs of a minibatch: its micro-batches (one without a budget)."""
+    if self.kind == 'padded':
+      hosts = layouts.padded(tokens_BxT, mask_BxT, self.budget, self.multiple)
+    elif self.kind == 'shared_prompt':
+      if loss_mask_BxT is None:
+        raise ValueError('the shared-prompt layout needs the loss mask (where prompts end).')
+      hosts = layouts.shared_prompt(tokens_BxT, mask_BxT, loss_mask_BxT, self.budget, self.multiple)
+    elif self.budget:
+      hosts = packing.micro_batches(tokens_BxT, mask_BxT, self.row_len, self.budget, self.multiple)
+    else:
+      hosts = [packing.pack_padded(tokens_BxT, mask_BxT, self.row_len, self.multiple)]
+    if loss_mask_BxT is not None:
+      hosts = [layouts.with_window(h, tokens_BxT, loss_mask_BxT) for h in hosts]
+    self.last = packing.efficiency(mask_BxT, hosts)
+    return hosts
 
-  def for_step(self, tokens_BxT, mask_BxT):
+  def __call__(self, tokens_BxT, mask_BxT, loss_mask_BxT=None):
+    """PackedInputs on the device of every sequence (no budget: one part)."""
+    hosts = self.parts(tokens_BxT, mask_BxT, loss_mask_BxT)
+    if len(hosts) != 1:
+      raise ValueError('a Packer with a token budget gives micro-batches: call `split`.')
+    return self._place(hosts[0])
+
+  def for_step(self, tokens_BxT, mask_BxT, loss_mask_BxT=None):
     """What a step takes: the micro-batches (`split`) with a token budget,
     else the whole batch's PackedInputs."""
-    return self.split(tokens_BxT, mask_BxT) if self.budget else self(tokens_BxT, mask_BxT)
+    if self.budget:
+      return self.split(tokens_BxT, mask_BxT, loss_mask_BxT)
+    return self(tokens_BxT, mask_BxT, loss_mask_BxT)
 
-  def split(self, tokens_BxT, mask_BxT):
+  def split(self, tokens_BxT, mask_BxT, loss_mask_BxT=None):
     """A list of PackedInputs on the device: micro-batches of the token
     budget when there is one, else the whole batch as one."""
-    if not self.budget:
-      return [self(tokens_BxT, mask_BxT)]
-    hosts = packing.micro_batches(tokens_BxT, mask_BxT, self.row_len, self.budget, self.multiple)
-    self.last = packing.efficiency(mask_BxT, hosts)
-    return [self._place(h) for h in hosts]
+    return [self._place(h) for h in self.parts(tokens_BxT, mask_BxT, loss_mask_BxT)]
 
 
 def batch_shards(sharding):
@@ -220,36 +303,46 @@ def place_global(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def make_packer(train, seq_len, sharding):
-  """A Packer when `train.packing` is on (rows of `train.pack_row_len` tokens, 0:
-  `seq_len`; micro-batches of `train.micro_batch_tokens`), else None."""
-  if not train.packing:
-    return None
+def layout_kind(train):
+  """The layout a `train` section asks for: 'packed' (`packing`),
+  'shared_prompt' (`shared_prompt`, where the section has it), else 'padded'."""
+  if train.packing:
+    return 'packed'
+  return 'shared_prompt' if train.get('shared_prompt', False) else 'padded'
+
+
+def make_packer(train, seq_len, sharding, kind=None):
+  """The Packer of a `train` section: the layout of `layout_kind(train)`
+  (or `kind`), rows of `train.pack_row_len` tokens when packed (0:
+  `seq_len`), micro-batches of `train.micro_batch_tokens`."""
+  kind = layout_kind(train) if kind is None else kind
   row_len = int(train.pack_row_len) or int(seq_len)
-  if row_len < seq_len:
+  if kind == 'packed' and row_len < seq_len:
     raise ValueError(
       f'`train.pack_row_len` ({row_len}) must be at least the longest sequence, '
       f'max_prompt_len + max_response_len = {seq_len}.'
     )
   budget = int(train.micro_batch_tokens)
-  if budget and budget < row_len:
+  if kind == 'packed' and budget and budget < row_len:
     raise ValueError(
       f'`train.micro_batch_tokens` ({budget}) must be 0 or at least a packed row, {row_len} tokens.'
     )
-  return Packer(row_len, sharding, budget)
+  return Packer(row_len, sharding, budget, kind)
 
 
 def with_packer(fn, packer):
-  """`fn(params, tokens, mask, packed)` as (params, tokens, mask) -> result,
-  on packed rows when `packer` is set (`make_packer`), else padded. With a
+  """`fn(params, tokens, mask, packed)` as (params, tokens, mask, loss_mask=None)
+  -> result, on the rows of `packer` (`make_packer`; with a loss mask, logprobs
+  at its window only), or on the padded rows when `packer` is None. With a
   token budget the result is the sum over micro-batches: `fn` gives 0 at the
   positions of sequences a micro-batch does not hold (as `token_logprobs`
   does), so the sum is the whole batch's result."""
   if packer is None:
-    return lambda params, tokens, mask: fn(params, tokens, mask)
+    return lambda params, tokens, mask, loss_mask=None: fn(params, tokens, mask)
 
-  def run(params, tokens, mask):
-    parts = packer.split(distributed.fetch(tokens), distributed.fetch(mask))
+  def run(params, tokens, mask, loss_mask=None):
+    host_loss = None if loss_mask is None else distributed.fetch(loss_mask)
+    parts = packer.split(distributed.fetch(tokens), distributed.fetch(mask), host_loss)
     out = fn(params, tokens, mask, parts[0])
     for p in parts[1:]:
       out = out + fn(params, tokens, mask, p)
@@ -312,11 +405,11 @@ class MicroBatchedStep:
 
 
 def minibatched(fn, params, batch, rows, sharding):
-  """`fn(params, tokens, mask)` over consecutive slices of `rows` rows of a
-  [B, T] batch, concatenated and laid out with `sharding` (the forward passes
-  of reference logprobs, proximal logprobs and critic values)."""
+  """`fn(params, tokens, mask, loss_mask)` over consecutive slices of `rows`
+  rows of a [B, T] batch, concatenated and laid out with `sharding` (the
+  forward passes of reference logprobs, proximal logprobs and critic values)."""
   out = [
-    fn(params, batch.tokens[k : k + rows], batch.mask[k : k + rows])
+    fn(params, *(x[k : k + rows] for x in (batch.tokens, batch.mask, batch.loss_mask)))
     for k in range(0, batch.tokens.shape[0], rows)
   ]
   return jax.device_put(jnp.concatenate(out), sharding)

@@ -14,6 +14,7 @@ import numpy as np
 
 from jrl import distributed
 from jrl import losses as L
+from jrl.data import layouts
 from jrl.rewards import shaping as reward_norm
 from jrl.trainers import checks, common, rollout, setup, sft, topology
 
@@ -49,6 +50,23 @@ def check_rl(config, batch_shards):
     "'k3_ratio_corrected' weights the KL by π/π_old, which exists only in the loss: "
     "set rl.kl_in='loss' or another estimator.",
   )
+  train = config.train
+  if train.shared_prompt:
+    row = layouts.shared_row_len(
+      config.task.max_prompt_len, rl.group_size, config.task.max_response_len
+    )
+    need(
+      not train.micro_batch_tokens or train.micro_batch_tokens >= row,
+      'train.micro_batch_tokens',
+      f'must be 0 or hold one shared-prompt row of a group ({row} tokens) with '
+      'train.shared_prompt on.',
+    )
+    need(
+      not rl.router_aux_coef,
+      'rl.router_aux_coef',
+      'counts each token once per sequence; with train.shared_prompt a prompt is '
+      'computed once per group: set it to 0 or turn train.shared_prompt off.',
+    )
   need(
     rl.prompts_per_step % jax.process_count() == 0,
     'rl.prompts_per_step',
@@ -193,7 +211,7 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   results = []
   efficiency = []
   if packer is not None:
-    host_tokens, host_mask = distributed.fetch(full.tokens), distributed.fetch(full.mask)
+    host = [distributed.fetch(x) for x in (full.tokens, full.mask, full.loss_mask)]
   for epoch in range(rl.epochs):
     rng = np.random.default_rng(setup.seed(config.seed, iteration, 'perm', epoch))
     perm = rng.permutation(rows)
@@ -202,7 +220,7 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       idx = jnp.asarray(order)
       mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], sharding), full)
       if packer is not None:
-        mini = mini._replace(packed=packer.for_step(host_tokens[order], host_mask[order]))
+        mini = mini._replace(packed=packer.for_step(*(x[order] for x in host)))
         efficiency.append((*packer.last, len(mini.packed) if packer.budget else 1))
       state, um = step(state, mini)
       results.append(um)

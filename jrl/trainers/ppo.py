@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from jrl import losses as L
 from jrl import models, parallel
-from jrl.data import packing
 from jrl.models import hf as hf_lib
 from jrl.trainers import (
   checks,
@@ -56,15 +55,19 @@ class PPOBatch(NamedTuple):
 def critic_values(graphdef, params, tokens, mask, packed=None):
   """[B, T] float32: V_t is the critic's value of the prefix before token t
   (its scalar head at position t − 1); 0 at t = 0. With `packed` the critic
-  runs on the packed rows (0 at each sequence's first token), unpacked."""
-  shift = lambda v: jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
+  runs on the laid-out rows (padded, packed or shared-prompt) and V_t is
+  read at the row position of token t − 1 (`common.predecessor_values`)."""
   if packed is None:
-    return shift(models.values(graphdef, params, tokens, mask))
+    return jnp.pad(models.values(graphdef, params, tokens, mask)[:, :-1], ((0, 0), (1, 0)))
   v = models.values(
-    graphdef, params, packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids
+    graphdef,
+    params,
+    packed.tokens,
+    positions=packed.positions,
+    segment_ids=packed.segment_ids,
+    branches=packed.branches,
   )
-  v = jnp.where(models.segment_starts(packed.segment_ids), 0.0, shift(v))
-  return packing.unpack_on_device(v, packed.index, packed.valid)
+  return common.predecessor_values(v, packed)
 
 
 def value_loss_fn(params, graphdef, batch, value_clip):

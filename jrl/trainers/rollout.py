@@ -125,7 +125,13 @@ SAMPLING = checks.Section(
     'sampling.temperature': checks.positive(),
     'sampling.top_k': checks.count(0),
     'sampling.top_p': checks.fraction(lo_open=True),
+    'sampling.min_new_tokens': checks.count(0),
   },
+  lambda config, batch_shards: checks.need(
+    config.sampling.min_new_tokens <= config.task.max_response_len,
+    'sampling.min_new_tokens',
+    f'must be at most task.max_response_len = {config.task.max_response_len}.',
+  ),
 )
 SAMPLER = checks.Section(
   'sampler',
@@ -337,6 +343,7 @@ class RolloutWorker:
       sampler.Request(
         prompt=ids,
         max_new_tokens=self.config.task.max_response_len,
+        min_new_tokens=sp.min_new_tokens,
         temperature=sp.temperature,
         top_k=sp.top_k,
         top_p=sp.top_p,

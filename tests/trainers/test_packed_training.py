@@ -46,9 +46,7 @@ def make_batch(lengths, prompt_lengths, t, seed=0):
 
 
 def device_packed(tokens, mask, row_len, multiple=1):
-  return packing.PackedInputs(
-    *map(jnp.asarray, packing.pack_padded(tokens, mask, row_len, multiple))
-  )
+  return jax.tree.map(jnp.asarray, packing.pack_padded(tokens, mask, row_len, multiple))
 
 
 # Shapes of batch that must all give the padded result: one sequence filling
@@ -201,7 +199,7 @@ def test_policy_loss_and_gradients_are_the_same_packed_and_padded(model, name):
 
 def micro_parts(tokens, mask, row_len, budget, multiple=1, row_lens=None):
   return [
-    packing.PackedInputs(*map(jnp.asarray, host))
+    jax.tree.map(jnp.asarray, host)
     for host in packing.micro_batches(tokens, mask, row_len, budget, multiple, row_lens)
   ]
 
@@ -325,10 +323,10 @@ def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_row
     np.testing.assert_allclose(np.asarray(gm), np.asarray(g), rtol=1e-4, atol=1e-5)
 
 
-def test_micro_batch_tokens_needs_packing_and_a_loss_it_can_split(tmp_path):
-  config = shrunk_config(tmp_path, {'train.micro_batch_tokens': 64})
+def test_micro_batch_tokens_must_hold_a_row_and_a_loss_it_can_split(tmp_path):
+  config = shrunk_config(tmp_path, {'train.micro_batch_tokens': 8})
   with pytest.raises(
-    ValueError, match=r'^`train\.micro_batch_tokens`: must be 0, or with train\.packing'
+    ValueError, match=r'^`train\.micro_batch_tokens`: must be 0 or at least one row'
   ):
     trainers.validate(config, 1)
   config = shrunk_config(tmp_path, {'train.packing': True, 'train.micro_batch_tokens': 8})

@@ -77,7 +77,7 @@ def test_the_router_loss_is_added_with_its_coefficient_and_trains_the_router():
   assert len(moved) == MOE.num_layers and min(moved) > 1e-6
 
   # Packed rows: the same loss and router gradients.
-  packed = packing.PackedInputs(*map(jnp.asarray, packing.pack_padded(tokens, mask, 20)))
+  packed = jax.tree.map(jnp.asarray, packing.pack_padded(tokens, mask, 20))
   (loss_p, _), g_p = grad(params, graphdef, batch._replace(packed=packed), on)
   np.testing.assert_allclose(float(loss_p), float(loss_on), rtol=1e-5, atol=1e-6)
   for a, b in zip(router_grads(g_p), router_grads(g_on), strict=True):
