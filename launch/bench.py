@@ -1080,7 +1080,7 @@ def bench_update(args):
     advantages=f32(np.where(loss_mask, np.where(np.arange(b) % 2, 1.0, -1.0)[:, None], 0.0)),
   )
   host = packing.pack_padded(tokens, mask, args.row_len or t)
-  packed = batch._replace(packed=packing.PackedInputs(*map(jnp.asarray, host)))
+  packed = batch._replace(packed=jax.tree.map(jnp.asarray, host))
   real = int(mask.sum())
   eff_padded, eff_packed = packing.efficiency(mask, host)
   print(
@@ -1145,7 +1145,7 @@ def bench_micro_batches(
   # With the row-length buckets (the trainer's split), then with rows of one length.
   for name, row_lens in (('micro', None), ('micro/1L', (row_len,))):
     hosts = packing.micro_batches(tokens, mask, row_len, args.micro_tokens, row_lens=row_lens)
-    parts = [packing.PackedInputs(*map(jnp.asarray, h)) for h in hosts]
+    parts = [jax.tree.map(jnp.asarray, h) for h in hosts]
     data = batch._replace(packed=parts)
     temps = [
       grads.lower(state, batch._replace(packed=p)).compile().memory_analysis().temp_size_in_bytes
