@@ -601,13 +601,16 @@ def update_step_memory():
 
   def make_steps(*args, **kwargs):
     steps = original(*args, **kwargs)
-    jitted, compiled = steps.rl, []
+    jitted, compiled = steps.rl, {}
 
     def rl(*step_args):
-      if not compiled:
-        compiled.append(jitted.lower(*step_args).compile())
-        analyses.append(compiled[0].memory_analysis())
-      return compiled[0](*step_args)
+      # One program per shape of rows (their lengths follow the batch's).
+      key = str(jax.tree.map(lambda x: (x.shape, x.dtype), step_args))
+      if key not in compiled:
+        compiled[key] = jitted.lower(*step_args).compile()
+        if not analyses or len(compiled) == 1:
+          analyses.append(compiled[key].memory_analysis())
+      return compiled[key](*step_args)
 
     return steps._replace(rl=rl)
 
