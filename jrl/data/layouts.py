@@ -48,10 +48,6 @@ def length_bucket(n, most=None):
   return out
 
 
-def _lengths(mask_BxT):
-  return packing.sequence_lengths(mask_BxT)
-
-
 def loss_starts(loss_mask_BxT, n_B):
   """[B] the first loss column of each sequence (at least 1: the first token
   has no prediction); n_b when it has no loss token."""
@@ -106,7 +102,7 @@ def padded(tokens_BxT, mask_BxT, budget=0, multiple=1):
   """
   tokens = np.asarray(tokens_BxT)
   b, t = tokens.shape
-  n_B = _lengths(mask_BxT)
+  n_B = packing.sequence_lengths(mask_BxT)
   # Longest first, so each micro-batch's rows are as short as its sequences.
   order = sorted(range(b), key=lambda i: (-int(n_B[i]), i))
   longest = int(n_B.max(initial=1))
@@ -146,7 +142,7 @@ def prompt_groups(tokens_BxT, mask_BxT, loss_mask_BxT):
   """The sequences that share a prompt (the tokens before the first loss
   token), in order of first appearance: a list of (prompt length, [b, ...])."""
   tokens = np.asarray(tokens_BxT)
-  n_B = _lengths(mask_BxT)
+  n_B = packing.sequence_lengths(mask_BxT)
   start = loss_starts(loss_mask_BxT, n_B)
   groups = {}
   for i in range(tokens.shape[0]):
@@ -177,7 +173,7 @@ def shared_prompt(tokens_BxT, mask_BxT, loss_mask_BxT, budget=0, multiple=1):
   """
   tokens = np.asarray(tokens_BxT)
   t = tokens.shape[1]
-  n_B = _lengths(mask_BxT)
+  n_B = packing.sequence_lengths(mask_BxT)
   groups = prompt_groups(tokens, mask_BxT, loss_mask_BxT)
 
   def shape(part):
@@ -231,8 +227,3 @@ def _shared_inputs(tokens, n_B, part, shape, rows):
   return packing.PackedInputs(
     row_tokens, segment_ids, positions, index, valid, select, branches=branches
   )
-
-
-def efficiency(mask_BxT, parts):
-  """Real tokens / tokens the model runs on: (padded to T, this layout)."""
-  return packing.efficiency(mask_BxT, parts)
