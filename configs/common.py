@@ -90,11 +90,12 @@ def model_section():
   s.compute_dtype = 'float32'  # 'bfloat16' for bf16 matmuls
   # Training memory (model.path checkpoints too; never written to an export's config.json).
   # Per-layer activation checkpointing, what the backward pass keeps of a block:
+  #   'auto'           chosen with the micro-batches by train.memory_plan (else 'none')
   #   'none'           everything (no recomputation)
   #   'full'           only the block's input; the whole block is recomputed
   #   'dots'           every matmul output but the float32 attention scores
   #   'dots_no_batch'  the projection outputs, not the [B, H, T, T] scores and probabilities
-  s.remat = 'none'
+  s.remat = 'auto'
   s.scan_layers = False  # run the layers in one jax.lax.scan (needs every layer alike)
   # Attention kernel of the training passes: 'auto' (XLA on CPU, cuDNN flash attention on
   # GPU in bf16/fp16, Pallas splash attention on TPU), or one of 'xla', 'cudnn', 'splash'.
@@ -162,6 +163,11 @@ def train_section():
   # one optimiser step; the same result as the whole batch at once). 0: the
   # batch in one pass.
   s.micro_batch_tokens = 0
+  # 'auto': the online algorithms' update takes the fastest model.remat and
+  # micro_batch_tokens whose compiled program fits in memory (the fields left
+  # at 'auto' / 0 only; jrl.trainers.memory_plan), logged; 'off': as set.
+  s.memory_plan = 'auto'
+  s.memory_limit_gib = 0.0  # what the update may allocate (0: 90% of a device's free memory)
   return s
 
 

@@ -23,8 +23,10 @@ Choices, for a run of under an hour on 2 CPU cores:
 - held-out: 500 problems, greedy and 2 samples each (mean@2, pass@2),
   before the first step and after the last, accuracy per difficulty, every
   completion in workdir/eval_samples.jsonl;
-- remat='full' (per-layer activation checkpointing) keeps one update's
-  memory near 1.2 GiB; `--config.model.lora.rank=16` trains adapters only.
+- remat and micro-batches chosen from the memory the compiled update needs
+  (`train.memory_plan='auto'`, logged); `--config.model.remat=full` keeps
+  one update's memory near 1.2 GiB; `--config.model.lora.rank=16` trains
+  adapters only.
 """
 
 from configs import common
@@ -44,7 +46,6 @@ def get_config(arg=None):
   c.tokenizer = ''  # the checkpoint's tokenizer.json
   c.export_hf = True
   c.model.path = 'models/smollm2'
-  c.model.remat = 'full'
   c.task.kind = 'file'
   c.task.train_path = 'data/word_problems/train.jsonl'
   c.task.eval_path = 'data/word_problems/eval.jsonl'

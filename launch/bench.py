@@ -42,6 +42,7 @@ wall time over `--repeats` runs, and the ratios chunked / naive.
 import argparse
 import contextlib
 import functools
+import json
 import resource
 import statistics
 import time
@@ -589,50 +590,20 @@ def set_fields(config, assignments):
   return config
 
 
-@contextlib.contextmanager
-def update_step_memory():
-  """Within the block, GRPO jobs built compile their update step on its first
-  call with `.lower().compile()` (the compile jit would do anyway) and keep
-  XLA's memory analysis of it. Yields a list that gets one analysis per job."""
-  from jrl.trainers import grpo
-
-  analyses = []
-  original = grpo.make_steps
-
-  def make_steps(*args, **kwargs):
-    steps = original(*args, **kwargs)
-    jitted, compiled = steps.rl, {}
-
-    def rl(*step_args):
-      # One program per shape of rows (their lengths follow the batch's).
-      key = str(jax.tree.map(lambda x: (x.shape, x.dtype), step_args))
-      if key not in compiled:
-        compiled[key] = jitted.lower(*step_args).compile()
-        if not analyses or len(compiled) == 1:
-          analyses.append(compiled[key].memory_analysis())
-      return compiled[key](*step_args)
-
-    return steps._replace(rl=rl)
-
-  grpo.make_steps = make_steps
-  try:
-    yield analyses
-  finally:
-    grpo.make_steps = original
-
-
 def measure_grpo(config, steps, peak_n, describe, indent='  '):
   """Builds the GRPO job of `config`, calls `describe(job)`, runs `steps`
-  iterations and prints per-stage medians (after the first step), throughputs
-  and the update's MFU against the measured float32 matmul peak."""
+  iterations (a line each as it ends) and prints per-stage medians (after
+  the first step), throughputs, the update's MFU against the measured
+  float32 matmul peak and the memory plan. Returns a dict of the figures
+  (`--out`)."""
   import gc
 
   from jrl import trainers
   from jrl.models import lora
   from jrl.trainers import controller
 
-  with update_step_memory() as analyses:
-    job = trainers.build(config)
+  job = trainers.build(config)
+  plan = job.memory_plan
   describe(job)
   mc, seq_len = job.res.model.config, job.res.seq_len
   if mc.lora is not None:
@@ -640,11 +611,18 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   else:
     n_train = sum(x.size for x in jax.tree.leaves(job.state.params))
   state, records, compiling = job.state, [], []
+  p = indent
   for it in range(steps):
     with compile_seconds() as seconds:
       state, m = job.iterate(state, it)
     records.append(m)
     compiling.append(seconds[0])
+    print(
+      f'{p}step {it + 1}/{steps}: {m["time/step"]:.1f} s (generate {m["time/generate"]:.1f}, '
+      f'reference {m.get("time/reference", 0.0):.1f}, update {m["time/update"]:.1f}; '
+      f'compiling {seconds[0]:.1f})',
+      flush=True,
+    )
   controller.close(job)
   del job, state
   gc.collect()  # the next combination's arrays should not sit next to this one's
@@ -658,7 +636,6 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   padded = rows * seq_len * rl.epochs
   update_flops = 3 * model_flops_per_token(mc.replace(lora=None), seq_len) * padded
   gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
-  p = indent
   for stage in ('generate', 'reward', 'reference', 'update', 'step'):
     print(f'{p}{stage:10s} {med("time/" + stage):8.3f} s')
   print(
@@ -683,16 +660,22 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
     f'float32 matmul peak{note}'
   )
   print(f'{p}trainable: {n_train / 1e6:.3f}M params')
-  if analyses:
-    mem = analyses[0]
-    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-    print(
-      f'{p}XLA memory of the update step: temp {mem.temp_size_in_bytes / 2**20:.0f} MiB, '
-      f'inputs + outputs + temp {total / 2**20:.0f} MiB'
-    )
+  print(f'{p}memory plan of the update: {plan.describe()}')
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
   print(f'{p}process peak resident memory so far (cumulative): {rss / 2**30:.2f} GiB', flush=True)
-  return records
+  stages = ('generate', 'reward', 'reference', 'update', 'step')
+  return {
+    'median_s': {k: med('time/' + k) for k in stages},
+    'steps_s': [r['time/step'] for r in records],
+    'compiling_s': compiling,
+    'generate_tokens_per_s': gen_tokens / med('time/generate'),
+    'update_tokens_per_s': med('throughput/update_tokens_per_s'),
+    'update_mfu': update_flops / med('time/update') / peak,
+    'matmul_peak_flops': peak,
+    'memory_plan': plan._asdict(),
+    'peak_rss_bytes': rss,
+    'trainable_params': n_train,
+  }
 
 
 def _import_configs():
@@ -704,6 +687,23 @@ def _import_configs():
 
   logging.set_verbosity(logging.WARNING)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def write_json(path, figures):
+  """`figures` as JSON at `path` ('' : nowhere)."""
+  if path:
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump(figures, f, indent=2, default=str)
+    print(f'figures written to {path}')
+
+
+def _kl_override(args):
+  """The `--kl_coef` as a `--set` assignment; both at once is an error."""
+  if args.kl_coef is None:
+    return list(args.set)
+  if any(a.partition('=')[0] == 'rl.kl_coef' for a in args.set):
+    raise SystemExit('--kl_coef and --set rl.kl_coef=... both set the KL coefficient: give one')
+  return [*args.set, f'rl.kl_coef={args.kl_coef}']
 
 
 def bench_grpo(args):
@@ -720,7 +720,7 @@ def bench_grpo(args):
   for section, fields in GRPO_SETUPS[args.setup].items():
     for k, v in fields.items():
       config[section][k] = v
-  set_fields(config, args.set)
+  set_fields(config, _kl_override(args))
 
   def describe(job):
     mc, seq_len = job.res.model.config, job.res.seq_len
@@ -729,10 +729,12 @@ def bench_grpo(args):
       f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
       f'{seq_len} tokens (prompt <= {config.task.max_prompt_len}, new <= '
       f'{config.task.max_response_len}), kl_coef {config.rl.kl_coef}, '
-      f'backend {jax.default_backend()}'
+      f'backend {jax.default_backend()}',
+      flush=True,
     )
 
-  measure_grpo(config, args.steps, args.peak_n, describe)
+  figures = measure_grpo(config, args.steps, args.peak_n, describe)
+  write_json(args.out, {'setup': args.setup, 'set': _kl_override(args), **figures})
 
 
 SMOLLM2_PREPARE = (
@@ -746,8 +748,9 @@ def bench_grpo_real(args):
   at --model_path, once per --remat policy and --lora_rank (0: full fine-tuning).
 
   200 generated word problems (3 : 1 : 1 one-, two-, three-step) in a
-  temporary directory; `rl.kl_coef` is set to --kl_coef so that the reference
-  forward runs and is measured (the experiment itself has none)."""
+  temporary directory; `rl.kl_coef` is the config's (0) unless --kl_coef or
+  --set rl.kl_coef=... sets it (> 0: the reference forward runs and is
+  measured). The header of each combination prints the values that ran."""
   import os
   import tempfile
 
@@ -765,12 +768,13 @@ def bench_grpo_real(args):
   word_problems.write_splits(data, n_train=200, n_eval=0, seed=0, weights=(3, 1, 1))
   remats = (args.remat or grpo_smollm2_gsm.get_config().model.remat).split(',')
   ranks = [int(r) for r in (args.lora_rank or '0').split(',')]
+  assignments = _kl_override(args)
   print(
     f'grpo step (real): configs/grpo_smollm2_gsm.py on {path}, {args.steps} steps per '
-    f'combination, kl_coef {args.kl_coef} (set for this measurement'
-    + (', so that the reference forward runs' if args.kl_coef > 0 else ': no reference')
-    + f'), backend {jax.default_backend()} ({jax.devices()[0].device_kind})'
+    f'combination, backend {jax.default_backend()} ({jax.devices()[0].device_kind})',
+    flush=True,
   )
+  results = []
   for remat in remats:
     for rank in ranks:
       config = _grpo_bench_config(grpo_smollm2_gsm.get_config(), args.steps)
@@ -779,21 +783,25 @@ def bench_grpo_real(args):
       config.model.lora.rank = rank
       config.task.train_path = os.path.join(data, 'train.jsonl')
       config.task.eval_path = ''
-      config.rl.kl_coef = args.kl_coef
-      set_fields(config, args.set)
+      set_fields(config, assignments)
 
-      def describe(job, config=config, remat=remat, rank=rank):
+      def describe(job, config=config):
         mc, seq_len = job.res.model.config, job.res.seq_len
-        rl = config.rl
+        rl, train = config.rl, config.train
+        layout = 'shared prompt' if train.shared_prompt else 'packed' if train.packing else 'padded'
         print(
-          f'  remat={remat} lora={rank or "-"}: {mc.num_params() / 1e6:.1f}M params, '
-          f'{rl.prompts_per_step * rl.group_size} rows of {seq_len} tokens (prompt <= '
-          f'{config.task.max_prompt_len}, new <= {config.task.max_response_len}), minibatches of '
-          f'{rl.minibatch_size}, {len(job.res.task.train)} training prompts',
+          f'  remat={config.model.remat} lora={config.model.lora.rank or "-"} '
+          f'kl_coef={rl.kl_coef} layout={layout}: {mc.num_params() / 1e6:.1f}M params, '
+          f'{rl.prompts_per_step * rl.group_size} rows of at most {seq_len} tokens (prompt <= '
+          f'{config.task.max_prompt_len}, new <= {config.task.max_response_len}, at least '
+          f'{config.sampling.min_new_tokens}), minibatches of {rl.minibatch_size}, '
+          f'{len(job.res.task.train)} training prompts',
           flush=True,
         )
 
-      measure_grpo(config, args.steps, args.peak_n, describe, indent='    ')
+      figures = measure_grpo(config, args.steps, args.peak_n, describe, indent='    ')
+      results.append({'remat': remat, 'lora_rank': rank, **figures})
+  write_json(args.out, {'setup': 'real', 'set': assignments, 'runs': results})
 
 
 def bench_topology(args):
@@ -1208,11 +1216,17 @@ def main(argv=None):
   p.add_argument('--model_path', default=None, help='real: checkpoint (models/smollm2)')
   p.add_argument('--remat', default=None, help="real: policies, comma-separated (the config's)")
   p.add_argument('--lora_rank', default=None, help='real: LoRA ranks, comma-separated (0: full)')
-  p.add_argument('--kl_coef', type=float, default=0.001, help='real: rl.kl_coef (reference on)')
+  p.add_argument(
+    '--kl_coef',
+    type=float,
+    default=None,
+    help="rl.kl_coef (default: the config's; > 0 runs the reference pass)",
+  )
   p.add_argument('--peak_n', type=int, default=2048, help='size of the peak-measuring matmul')
   p.add_argument(
     '--set', action='append', default=[], metavar='KEY=VALUE', help='config field (repeatable)'
   )
+  p.add_argument('--out', default='', help='write the figures as JSON here')
   p = sub.add_parser('update', help='a GRPO update step, padded vs packed rows')
   p.add_argument('--size', choices=sorted(MODEL_SIZES), default='cpu-20m')
   p.add_argument('--compute_dtype', default='float32')

@@ -108,6 +108,7 @@ FIELDS = {
   'train.chunk_size': count(1),
   'train.pack_row_len': count(0),  # 0: max_prompt_len + max_response_len
   'train.micro_batch_tokens': count(0),  # 0: no token-budget micro-batches
+  'train.memory_limit_gib': non_negative(),  # 0: a device's free memory
   'optim.lr': positive(),
   'optim.warmup_steps': count(0),
   'optim.decay_steps': count(0),
@@ -314,6 +315,7 @@ def check_shared(config):
     'train.shared_prompt',
     'and train.packing are two layouts of the rows: turn one off.',
   )
+  need(train.memory_plan in ('auto', 'off'), 'train.memory_plan', "must be 'auto' or 'off'.")
 
 
 def batch_divides(size, field, batch_shards):
@@ -339,8 +341,10 @@ def no_micro_batches(config, batch_shards):
 def check_model(model, algorithm):
   """The non-numeric training-memory fields of `model` (remat, scan_layers,
   lora); raises ValueError naming the field."""
-  if model.remat not in REMAT_POLICIES:
-    raise ValueError(f'`model.remat` must be one of {REMAT_POLICIES}, got {model.remat!r}.')
+  if model.remat not in ('auto', *REMAT_POLICIES):
+    raise ValueError(
+      f"`model.remat` must be 'auto' or one of {REMAT_POLICIES}, got {model.remat!r}."
+    )
   if not isinstance(model.scan_layers, bool):
     raise ValueError(f'`model.scan_layers` must be True or False, got {model.scan_layers!r}.')
   if model.attention not in ATTENTION_IMPLS:

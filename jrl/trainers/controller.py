@@ -56,6 +56,7 @@ class Job(NamedTuple):
   samples: Callable = list  # () -> the latest batch's example completions (dicts)
   close: Callable = lambda: None  # stops reward workers
   steps: Any = None  # the jitted steps, for benchmarks and tests
+  memory_plan: Any = None  # memory_plan.Plan of the update (online algorithms)
 
 
 def close(job):
@@ -178,6 +179,8 @@ def train(job):
   checkpointer = setup.checkpointer(config, res.workdir)
   progress = _Progress()
   state = restore(job, checkpointer, job.state, progress)
+  if res.is_main and job.memory_plan is not None:
+    print(f'memory plan of the update: {job.memory_plan.describe()}', flush=True)
   writer = setup.writer(config, res.workdir, total, progress.iteration)
   previous_handler = None
   if threading.current_thread() is threading.main_thread():

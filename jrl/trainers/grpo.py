@@ -24,10 +24,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrl import losses as L
 from jrl import parallel
-from jrl.trainers import common, controller, online, policy_step, rollout, setup, sft
+from jrl.trainers import common, controller, memory_plan, online, policy_step, rollout, setup, sft
 
 
 class Steps(NamedTuple):
@@ -53,11 +54,15 @@ def logprobs_fn(config, graphdef, packer=None):
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
-def make_steps(config, res, tx, schedule, shardings, packer=None):
+def make_steps(config, res, tx, schedule, shardings, packer=None, remat=None):
+  """The Steps of a run; the update's forward with the `remat` policy (None:
+  the model's own, `memory_plan.with_remat`)."""
   rl = config.rl
   cfg = policy_step.loss_config(rl, config.train.chunk_size, config.sampling.temperature)
   accum = int(config.optim.grad_accum)
   graphdef = res.model.graphdef
+  if remat is not None:
+    graphdef = memory_plan.with_remat(graphdef, res.params, remat)
   if packer is not None and packer.budget:
     # Micro-batches of a token budget: gradients summed, one update.
     rl_step = common.MicroBatchedStep(
@@ -91,7 +96,7 @@ def make_steps(config, res, tx, schedule, shardings, packer=None):
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   return Steps(
     parallel.on_mesh(res.mesh, rl_step),
-    parallel.on_mesh(res.mesh, logprobs_fn(config, graphdef, packer)),
+    parallel.on_mesh(res.mesh, logprobs_fn(config, res.model.graphdef, packer)),
     advantages,
   )
 
@@ -121,8 +126,29 @@ def build(
   state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
   warmup = sft.warmup(res, state, sft_batch)
   packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
-  steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh), packer)
+  shardings = setup.step_shardings(state, res.mesh)
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
+
+  def probe_batch(tokens, mask, loss_mask):
+    put = lambda x: common.place_global(x, res.batch_sharding)
+    zeros = put(np.zeros(tokens.shape, np.float32))
+    is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
+    return policy_step.PolicyBatch(
+      put(tokens), put(mask), put(loss_mask), zeros, zeros, zeros, is_weights
+    )
+
+  try:
+    steps, packer, plan = online.planned_steps(
+      config,
+      res,
+      state,
+      packer,
+      lambda remat, p: make_steps(config, res, tx, schedule, shardings, p, remat),
+      probe_batch,
+    )
+  except BaseException:
+    worker.close()
+    raise
   shaper = online.RewardShaper(config.reward)
   adv_cfg = policy_step.advantage_config(rl)
 
@@ -201,6 +227,7 @@ def build(
     samples=lambda: getattr(worker, 'last_samples', []),
     close=worker.close,
     steps=(warmup, steps),
+    memory_plan=plan,
   )
 
 

@@ -6,6 +6,8 @@ epochs of an update step.
 Offline algorithms (SFT, DPO, reward model) import nothing from here.
 """
 
+import math
+import os
 import time
 
 import jax
@@ -16,7 +18,7 @@ from jrl import distributed
 from jrl import losses as L
 from jrl.data import layouts
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import checks, common, rollout, setup, sft, topology
+from jrl.trainers import checks, common, memory_plan, rollout, setup, sft, topology
 
 
 def check_rl(config, batch_shards):
@@ -145,6 +147,65 @@ def finish(config, res, rollout_mesh, rows, make_worker):
   return worker, topology.make(config, worker, res, rollout_mesh, checks.iterations(config))
 
 
+def worst_case_rows(config, seq_len, vocab_size):
+  """Host (tokens, mask, loss_mask) [minibatch, seq_len] of the largest
+  minibatch a run can produce: every sequence max_prompt_len prompt tokens
+  then max_response_len response tokens, each group of `rl.group_size` rows
+  sharing its prompt (the memory plan's probe)."""
+  rl, task = config.rl, config.task
+  mb, p = rl.minibatch_size, task.max_prompt_len
+  tokens = np.zeros((mb, seq_len), np.int32)
+  tokens[:, :p] = 1 + (np.arange(mb) // rl.group_size)[:, None] % (vocab_size - 1)
+  mask = np.zeros((mb, seq_len), bool)
+  mask[:, : p + task.max_response_len] = True
+  loss_mask = mask.copy()
+  loss_mask[:, :p] = False
+  return tokens, mask, loss_mask
+
+
+def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1):
+  """(steps, packer, memory_plan.Plan): the update's remat policy and
+  micro-batch budget chosen by `memory_plan.plan` (`train.memory_plan`).
+
+  Args:
+    state: the train state the update step takes (only its shapes are read).
+    packer: the config's Packer; the returned one has the plan's budget.
+    make_steps: (remat, packer) -> the algorithm's Steps, the update first.
+    probe_batch: (tokens, mask, loss_mask) host [B, T] -> the update's batch
+      on the mesh (without `packed`).
+    models: how many models of the policy's size the update trains (PPO: 2).
+  """
+  rl = config.rl
+  shards = common.batch_shards(res.batch_sharding)
+  per_row = rl.group_size if packer.kind == 'shared_prompt' else 1
+  if packer.kind == 'shared_prompt':
+    task = config.task
+    row = layouts.shared_row_len(task.max_prompt_len, rl.group_size, task.max_response_len)
+  else:
+    row = packer.row_len
+  whole = math.ceil(rl.minibatch_size / per_row / shards) * row
+
+  def build(remat, budget):
+    p = common.Packer(packer.row_len, packer.sharding, budget, packer.kind)
+    return make_steps(remat, p), p
+
+  def measure(remat, budget):
+    steps, p = build(remat, budget)
+    rows = worst_case_rows(config, res.seq_len, res.model.config.vocab_size)
+    batch = probe_batch(*rows)._replace(packed=p.for_step(*rows))
+    return memory_plan.step_bytes(steps[0], memory_plan.abstract(state), batch)
+
+  num_params = sum(x.size for x in jax.tree.leaves(res.params))
+  bound = models * memory_plan.upper_bound(
+    res.model.config, num_params, whole, row, config.train.chunk_size
+  )
+  path = os.path.join(res.workdir, 'memory_plan.json')
+  device = next(d for d in res.mesh.devices.flat if d.process_index == jax.process_index())
+  plan = memory_plan.plan(config, device, whole, row, measure, bound, path)
+  steps, packer = build(plan.remat, plan.budget)
+  return steps, packer, plan
+
+
 class RewardShaper:
   """Clipping and running normalisation (`reward.clip`, `reward.normalize`),
   in the main thread and in step order, so a resumed run shapes alike. Its
@@ -195,7 +256,10 @@ def place_rollout(ro, res, shaper, logprobs, ref_params, rows):
 
 def run_minibatches(step, state, full, config, iteration, sharding, packer=None):
   """`rl.epochs` passes of `step` over minibatches of `full` (a pytree of
-  [B·G, ...] arrays), in permutations fixed by (seed, iteration).
+  [B·G, ...] arrays), in permutations fixed by (seed, iteration): of whole
+  groups when `rl.minibatch_size` is a multiple of `rl.group_size` (a
+  group's completions stay in one minibatch, where the shared-prompt
+  layout computes their prompt once), else of rows.
 
   With a `packer` (common.make_packer) each minibatch's sequences are packed
   into rows (`full.packed` set per minibatch): the same minibatches in the
@@ -214,7 +278,11 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
     host = [distributed.fetch(x) for x in (full.tokens, full.mask, full.loss_mask)]
   for epoch in range(rl.epochs):
     rng = np.random.default_rng(setup.seed(config.seed, iteration, 'perm', epoch))
-    perm = rng.permutation(rows)
+    g = rl.group_size
+    if mb % g == 0:
+      perm = (rng.permutation(rows // g)[:, None] * g + np.arange(g)).reshape(-1)
+    else:
+      perm = rng.permutation(rows)
     for k in range(rows // mb):
       order = np.sort(perm[k * mb : (k + 1) * mb])
       idx = jnp.asarray(order)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrl import losses as L
 from jrl import models, parallel
@@ -31,6 +32,7 @@ from jrl.trainers import (
   common,
   controller,
   grpo,
+  memory_plan,
   online,
   policy_step,
   rollout,
@@ -184,7 +186,7 @@ def make_critic(config, res, policy_params, key):
       lm_head=False,
       scalar_head=True,
       head_key=key,
-      remat=m.remat,
+      remat='none' if m.remat == 'auto' else m.remat,  # 'auto': the update's plan
       scan_layers=m.scan_layers,
     )
     return ck.graphdef, ck.params
@@ -200,11 +202,18 @@ class Steps(NamedTuple):
   gae: Any  # (token rewards, values, mask) -> (advantages, returns), each [B, T]
 
 
-def make_steps(config, res, critic_graphdef, optimizers, shardings, packer=None):
+def make_steps(config, res, critic, optimizers, shardings, packer=None, remat=None):
+  """The Steps of a run. `critic` is (graphdef, params); the update's
+  forwards (policy and critic) run with the `remat` policy (None: the
+  models' own, `memory_plan.with_remat`)."""
   (tx, schedule), (critic_tx, critic_schedule) = optimizers
+  critic_graphdef, graphdef = critic[0], res.model.graphdef
+  models_ = dict(graphdef=graphdef, critic_graphdef=critic_graphdef)
+  if remat is not None:
+    models_['graphdef'] = memory_plan.with_remat(graphdef, res.params, remat)
+    models_['critic_graphdef'] = memory_plan.with_remat(critic_graphdef, critic[1], remat)
   models_ = dict(
-    graphdef=res.model.graphdef,
-    critic_graphdef=critic_graphdef,
+    **models_,
     cfg=policy_step.loss_config(config.rl, config.train.chunk_size, config.sampling.temperature),
     value_clip=config.ppo.value_clip,
   )
@@ -273,8 +282,27 @@ def build(
   shardings = setup.step_shardings(state, res.mesh)
   optimizers = ((tx, schedule), (critic_tx, critic_schedule))
   packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
-  steps = make_steps(config, res, critic_graphdefs[0], optimizers, shardings, packer)
   worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
+  critic = (critic_graphdefs[0], state.extra['critic'].params)
+
+  def probe_batch(tokens, mask, loss_mask):
+    put = lambda x: common.place_global(x, res.batch_sharding)
+    z = put(np.zeros(tokens.shape, np.float32))
+    return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z)
+
+  try:
+    steps, packer, plan = online.planned_steps(
+      config,
+      res,
+      state,
+      packer,
+      lambda remat, p: make_steps(config, res, critic, optimizers, shardings, p, remat),
+      probe_batch,
+      models=2,  # the policy and its critic
+    )
+  except BaseException:
+    worker.close()
+    raise
   shaper = online.RewardShaper(config.reward)
 
   def rl_iteration(state, it):
@@ -334,6 +362,7 @@ def build(
     samples=lambda: getattr(worker, 'last_samples', []),
     close=worker.close,
     steps=(warmup, steps),
+    memory_plan=plan,
   )
 
 

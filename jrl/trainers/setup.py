@@ -161,7 +161,9 @@ def build_model(config, tok, mesh):
 def _base_model(config, tok, mesh):
   """`build_model` without adapters."""
   m = config.model
-  memory = {'remat': m.remat, 'scan_layers': m.scan_layers, 'attention_impl': m.attention}
+  # 'auto' remat: the model runs without; the update's plan picks its own (memory_plan).
+  remat = 'none' if m.remat == 'auto' else m.remat
+  memory = {'remat': remat, 'scan_layers': m.scan_layers, 'attention_impl': m.attention}
   if m.path:
     ck = hf_lib.load(
       m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, **memory

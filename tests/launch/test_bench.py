@@ -11,6 +11,7 @@ benchmark itself.
 """
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -70,20 +71,24 @@ def _numbers(line):
   return values
 
 
-def test_real_setup_prints_one_block_per_combination(tiny_smollm2, capsys):
+def test_real_setup_prints_one_block_per_combination(tiny_smollm2, tmp_path, capsys):
+  out_path = str(tmp_path / 'figures.json')
   argv = ['grpo', '--setup', 'real', '--model_path', tiny_smollm2, '--steps', '2']
-  argv += ['--remat', 'full', '--lora_rank', '0,4', '--peak_n', '128']
+  argv += ['--remat', 'full', '--lora_rank', '0,4', '--peak_n', '128', '--kl_coef', '0.001']
+  argv += ['--out', out_path]
   for field in TINY:
     argv += ['--set', field]
   bench.main(argv)
   out = capsys.readouterr().out
-  assert 'kl_coef 0.001 (set for this measurement' in out
   blocks = re.split(r'\n  (?=remat=)', out)[1:]
-  assert [b.split(':')[0] for b in blocks] == ['remat=full lora=-', 'remat=full lora=4']
+  heads = [b.split(':')[0] for b in blocks]
+  assert heads == [f'remat=full lora={r} kl_coef=0.001 layout=padded' for r in ('-', 4)]
   for block in blocks:
     lines = block.splitlines()
     assert '8 rows of' in lines[0] and '200 training prompts' in lines[0]
-    body = {line.split()[0]: line for line in lines[1:]}
+    progress = [line for line in lines if re.match(r'\s+step \d+/2:', line)]
+    assert len(progress) == 2 and all('generate' in line for line in progress)
+    body = {line.split()[0]: line for line in lines[1:] if line not in progress}
     for stage in STAGES:
       (seconds,) = _numbers(body[stage])
       assert seconds >= 0
@@ -94,11 +99,26 @@ def test_real_setup_prints_one_block_per_combination(tiny_smollm2, capsys):
     mfu = re.search(r'MFU ([0-9.]+)% of a ([0-9.]+) GFLOP/s', body['update:'])
     assert mfu and 0 < float(mfu.group(1)) and float(mfu.group(2)) > 0
     assert ('LoRA: no base-weight gradients' in body['update:']) == ('lora=4' in lines[0])
-    assert re.search(r'temp \d+ MiB, inputs \+ outputs \+ temp \d+ MiB', body['XLA'])
+    # remat set by the flag: only the budget is planned (a tiny model: by the bound).
+    assert re.search(r'memory plan of the update: remat=full micro_batch_tokens=0', out)
     assert 'cumulative' in body['process']
     assert _numbers(body['process'])[0] > 0
   trainable = [_numbers(b.split('trainable: ')[1].splitlines()[0])[0] for b in blocks]
   assert trainable[0] > trainable[1]  # full fine-tuning trains more than the adapters
+
+  with open(out_path, encoding='utf-8') as f:
+    figures = json.load(f)
+  assert figures['set'][-1] == 'rl.kl_coef=0.001'
+  assert [(r['remat'], r['lora_rank']) for r in figures['runs']] == [('full', 0), ('full', 4)]
+  for run in figures['runs']:
+    assert set(run['median_s']) == set(STAGES) and len(run['steps_s']) == 2
+    assert run['median_s']['reference'] > 0 and run['memory_plan']['remat'] == 'full'
+
+
+def test_kl_flag_and_set_field_together_are_refused(tiny_smollm2):
+  argv = ['grpo', '--setup', 'real', '--model_path', tiny_smollm2, '--kl_coef', '0.01']
+  with pytest.raises(SystemExit, match=r'--kl_coef and --set rl\.kl_coef'):
+    bench.main([*argv, '--set', 'rl.kl_coef=0.02'])
 
 
 def test_missing_checkpoint_names_the_path_and_the_command(tmp_path):

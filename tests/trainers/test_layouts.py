@@ -234,3 +234,27 @@ def test_min_new_tokens_above_the_response_limit_is_named(tmp_path):
   config = shrunk_config(tmp_path, {'sampling.min_new_tokens': 10_000})
   with pytest.raises(ValueError, match=r'^`sampling\.min_new_tokens`: must be at most'):
     trainers.validate(config, 1)
+
+
+@pytest.mark.parametrize('minibatch, whole_groups', [(8, True), (6, False)])
+def test_minibatches_hold_whole_groups_when_they_can(tmp_path, minibatch, whole_groups):
+  from jrl.trainers import online
+  from tests.helpers import shrunk_config
+
+  fields = {'rl.prompts_per_step': 6, 'rl.group_size': 4, 'rl.minibatch_size': minibatch}
+  config = shrunk_config(tmp_path, {**fields, 'rl.epochs': 2})
+  rows = 24
+  full = (jnp.arange(rows)[:, None] * jnp.ones((1, 3), jnp.int32),)
+  seen = []
+
+  def step(state, mini):
+    seen.append(np.asarray(mini[0][:, 0]))
+    return state, {'actor/loss': jnp.float32(0)}
+
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  online.run_minibatches(step, None, full, config, 0, sharding)
+  assert len(seen) == 2 * rows // minibatch
+  for epoch in (seen[: len(seen) // 2], seen[len(seen) // 2 :]):
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(rows))  # every row once
+  groups = [set((mini // 4).tolist()) for mini in seen]
+  assert all(len(g) == minibatch // 4 for g in groups) == whole_groups

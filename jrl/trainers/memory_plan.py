@@ -1,0 +1,225 @@
+"""The update's micro-batch budget and remat policy, chosen from the memory
+its compiled program needs (`train.memory_plan = 'auto'`).
+
+What a setting costs in memory is measured, not estimated: each candidate's
+update step is lowered and compiled for the largest batch the run can
+produce (every sequence at max_prompt_len + max_response_len) and XLA's
+memory analysis of it gives the bytes the step allocates beyond the state
+that already exists (temporaries and outputs not aliased to donated
+inputs; with micro-batches, plus the summed gradients). The limit is
+`train.memory_limit_gib`, or 90% of what one device has free when the plan
+is made (after the parameters, optimiser state, reference copy and the
+sampler's pages are allocated): the accelerator's `bytes_limit` less its
+`bytes_in_use`, on the CPU the host's available memory over its local
+devices.
+
+Candidates, fastest first (`candidates`):
+
+    remat 'none',  the whole minibatch, then halved micro-batches down to
+                   MIN_SHARE of it (smaller ones fill the matmuls too little
+                   to beat recomputation);
+    remat 'full',  the whole minibatch, halved down to one row.
+
+The first that fits is taken; the measurements stop there (one compile when
+the whole minibatch fits, none when `upper_bound` of the fastest is at most
+half the limit: a small model, where the compile would cost more than any
+choice saves). A field the config sets is kept: an explicit
+`model.remat` is the only remat tried, an explicit `train.micro_batch_tokens`
+the only budget. When nothing fits, the smallest candidate is taken and the
+log says so. The compiled probes are not reused: jit compiles the step again
+for the shapes the batches have.
+"""
+
+import contextlib
+import json
+import math
+import os
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jrl import distributed
+from jrl.trainers import common
+
+# The smallest micro-batch without remat, as a share of the minibatch's tokens.
+MIN_SHARE = 1 / 8
+# Of a device's free memory, what the plan may use (allocator slack, fragmentation).
+FREE_SHARE = 0.9
+GIB = 2**30
+
+
+class Plan(NamedTuple):
+  remat: str  # the update's per-layer remat policy
+  budget: int  # micro_batch_tokens per batch shard (0: the whole minibatch)
+  need: int  # bytes the chosen step allocates (measured; 0 when not measured)
+  limit: int  # bytes it may allocate (0: not planned)
+  reason: str  # what was chosen and why, in words
+  measured: tuple = ()  # ((remat, budget, bytes), ...) of the candidates compiled
+
+  def describe(self):
+    return f'remat={self.remat} micro_batch_tokens={self.budget}: {self.reason}'
+
+
+def size(n):
+  """Bytes in words: '812 KiB', '5.2 GiB'."""
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if n >= scale:
+      return f'{n / scale:.3g} {unit}'
+  return f'{n} B'
+
+
+def fixed(remat, budget, reason='train.memory_plan is off'):
+  """The config's own settings ('auto' remat without a plan: 'none')."""
+  remat = 'none' if remat == 'auto' else remat
+  return Plan(remat, int(budget), 0, 0, reason)
+
+
+def free_bytes(device):
+  """Bytes `device` has free now: its allocator's limit less what is in use,
+  or on the CPU the host's available memory over its local CPU devices."""
+  stats = device.memory_stats() or {}
+  if 'bytes_limit' in stats:
+    return int(stats['bytes_limit']) - int(stats.get('bytes_in_use', 0))
+  with open('/proc/meminfo', encoding='ascii') as f:
+    fields = dict(line.split(':', 1) for line in f)
+  available = int(fields['MemAvailable'].split()[0]) * 1024
+  return available // max(1, len(jax.local_devices(backend=device.platform)))
+
+
+def candidates(remat, budget, whole, row):
+  """(remat, budget) pairs in the order tried: see the module docstring.
+
+  Args:
+    remat: `model.remat` ('auto': 'none', then 'full').
+    budget: `train.micro_batch_tokens` (0: chosen here).
+    whole: tokens of the whole minibatch per batch shard, in rows of `row`.
+    row: tokens of one row of the layout (the smallest micro-batch).
+  """
+  remats = ('none', 'full') if remat == 'auto' else (remat,)
+  if budget:
+    return [(r, int(budget)) for r in remats]
+  out = []
+  for r in remats:
+    floor = row if r != 'none' or len(remats) == 1 else max(row, int(whole * MIN_SHARE))
+    b = whole
+    while True:
+      out.append((r, 0 if b == whole else b))
+      if b <= floor:
+        break
+      b = max(floor, row * math.ceil(b // 2 / row))
+  return out
+
+
+def upper_bound(model_config, num_params, tokens, row, chunk):
+  """A generous bound on the bytes an update without remat allocates for
+  `tokens` tokens per batch shard in rows of `row` (float32 throughout):
+  every layer's activations at 32 x width + 8 x MLP width + the [T, T]
+  scores and probabilities of each head per token, 4 chunks of `chunk`
+  positions of logits over the vocabulary, and 4 parameter-sized trees
+  (gradients and the optimiser's temporaries). Only a screen: a run whose
+  bound is far under the limit needs no measurement."""
+  c = model_config
+  mlp = max(c.mlp_width, c.experts_per_token * c.moe_mlp_width)
+  qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+  per_token = c.num_layers * (32 * c.width + 8 * mlp + 4 * qkv + 2 * c.num_heads * row)
+  logits = 4 * min(tokens, chunk) * c.vocab_size
+  return 4 * (tokens * per_token + logits + 4 * num_params)
+
+
+def step_bytes(step, state, batch):
+  """Bytes one call of an update step allocates beyond its arguments, from
+  the compiled program's memory analysis. `step` is a jitted (state, batch)
+  -> (state, metrics) or a `common.MicroBatchedStep` (its per-micro-batch
+  program, whose gradients are also summed into an accumulator)."""
+  mesh = getattr(step, 'mesh', None)  # parallel.on_mesh: lowered under its mesh
+  step = getattr(step, 'fn', step)
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    if isinstance(step, common.MicroBatchedStep):
+      lowered = step.loss_and_grads.lower(state, batch._replace(packed=batch.packed[0]))
+      mem = lowered.compile().memory_analysis()
+      return mem.temp_size_in_bytes + 2 * mem.output_size_in_bytes
+    mem = step.lower(state, batch).compile().memory_analysis()
+  return mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+
+
+def choose(options, measure, limit):
+  """The first of `options` ((remat, budget) pairs) whose `measure(remat,
+  budget)` bytes are at most `limit`, else the last; as a Plan."""
+  measured, words = [], []
+  for remat, budget in options:
+    need = int(measure(remat, budget))
+    measured.append((remat, budget, need))
+    words.append(f'{remat}/{budget or "whole"} {size(need)}')
+    if need <= limit:
+      why = 'the fastest candidate' if len(measured) == 1 else 'the fastest that fits'
+      reason = f'{why} ({size(need)} of {size(limit)}; measured: {", ".join(words)})'
+      return Plan(remat, budget, need, limit, reason, tuple(measured))
+  reason = (
+    f'nothing fits in {size(limit)} (measured: {", ".join(words)}); taking the '
+    'smallest: lower rl.minibatch_size or the task lengths, train LoRA adapters, or '
+    'set train.memory_limit_gib'
+  )
+  return Plan(remat, budget, need, limit, reason, tuple(measured))
+
+
+def with_remat(graphdef, params, remat):
+  """The graph of the same model with the training forward's remat policy
+  `remat` (the model config is static in the graph)."""
+  model = nnx.merge(graphdef, params)
+  if model.config.remat == remat:
+    return graphdef
+  model.config = model.config.replace(remat=remat)
+  return nnx.graphdef(model)
+
+
+def abstract(tree):
+  """ShapeDtypeStructs (with shardings) of a tree of arrays: what lowering needs."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def limit_bytes(train, device):
+  """What the update may allocate: `train.memory_limit_gib`, or FREE_SHARE of
+  `device`'s free memory, the smallest over the processes (so that every
+  process makes the same plan)."""
+  if train.memory_limit_gib:
+    return int(train.memory_limit_gib * GIB)
+  kib = int(FREE_SHARE * free_bytes(device)) // 1024
+  if jax.process_count() > 1:
+    kib = int(distributed.gather_rows(np.asarray([kib], np.int32)).min())
+  return kib * 1024
+
+
+def plan(config, device, whole, row, measure, bound, path=''):
+  """The Plan of a run: `config.train.memory_plan` 'auto' measures the
+  candidates with `measure(remat, budget) -> bytes` unless `bound` (bytes,
+  `upper_bound` of the first candidate) is at most half the limit; 'off'
+  keeps the config's settings.
+
+  With a `path` (the run's memory_plan.json) a single-process run that
+  restarts with the same candidates keeps the choice its start made, so
+  that a resumed run computes what the uninterrupted one would have; the
+  choice is written there otherwise."""
+  train, remat = config.train, config.model.remat
+  options = candidates(remat, train.micro_batch_tokens, whole, row)
+  if train.memory_plan != 'auto':
+    return fixed(remat, train.micro_batch_tokens)
+  key = [list(o) for o in options]
+  if path and jax.process_count() == 1 and os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+    if saved.get('options') == key:
+      kept = Plan(**{**saved['plan'], 'measured': tuple(map(tuple, saved['plan']['measured']))})
+      return kept._replace(reason=f'as the run chose at its start ({path}): {kept.reason}')
+  limit = limit_bytes(train, device)
+  if 2 * bound <= limit:
+    first, budget = options[0]
+    reason = f'fits by an upper bound ({size(bound)}, at most half of {size(limit)}): not compiled'
+    chosen = Plan(first, budget, 0, limit, reason)
+  else:
+    chosen = choose(options, measure, limit)
+  if path and distributed.is_main():
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump({'options': key, 'plan': chosen._asdict()}, f, indent=1)
+  return chosen

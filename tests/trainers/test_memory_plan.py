@@ -1,0 +1,172 @@
+"""The update's memory plan (jrl.trainers.memory_plan, `train.memory_plan`):
+the candidates' order, the choice against a limit measured from the
+compiled update, the fields a config sets kept, the choice kept on resume,
+and the planned job training as the unplanned one does."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jrl import models, trainers
+from jrl.trainers import controller, memory_plan
+from tests.helpers import QUIET, shrunk_config
+
+
+def test_candidates_try_no_remat_down_to_an_eighth_then_full_down_to_a_row():
+  options = memory_plan.candidates('auto', 0, whole=64 * 100, row=100)
+  assert options == [
+    ('none', 0),
+    ('none', 3200),
+    ('none', 1600),
+    ('none', 800),
+    ('full', 0),
+    ('full', 3200),
+    ('full', 1600),
+    ('full', 800),
+    ('full', 400),
+    ('full', 200),
+    ('full', 100),
+  ]
+  # A set field is kept: the remat (halving down to one row), or the budget.
+  assert memory_plan.candidates('dots', 0, whole=400, row=100) == [
+    ('dots', 0),
+    ('dots', 200),
+    ('dots', 100),
+  ]
+  assert memory_plan.candidates('auto', 300, whole=400, row=100) == [('none', 300), ('full', 300)]
+  assert memory_plan.candidates('full', 300, whole=400, row=100) == [('full', 300)]
+
+
+def test_choose_takes_the_first_that_fits_else_the_smallest():
+  need = {('none', 0): 900, ('none', 200): 500, ('full', 0): 400, ('full', 200): 100}
+  options = list(need)
+  calls = []
+
+  def measure(remat, budget):
+    calls.append((remat, budget))
+    return need[remat, budget]
+
+  plan = memory_plan.choose(options, measure, limit=600)
+  assert (plan.remat, plan.budget, plan.need, plan.limit) == ('none', 200, 500, 600)
+  assert calls == options[:2]  # measuring stops at the choice
+  assert 'the fastest that fits' in plan.reason and 'none/whole' in plan.reason
+  plan = memory_plan.choose(options, measure, limit=1000)
+  assert (plan.remat, plan.budget) == ('none', 0) and 'the fastest candidate' in plan.reason
+  plan = memory_plan.choose(options, measure, limit=50)
+  assert (plan.remat, plan.budget, plan.need) == ('full', 200, 100)
+  assert 'nothing fits' in plan.reason and 'train.memory_limit_gib' in plan.reason
+  assert [m[2] for m in plan.measured] == [900, 500, 400, 100]
+
+
+def test_with_remat_changes_only_the_backward_memory():
+  config = models.ModelConfig(
+    vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
+  )
+  graphdef, params = models.create(config, jax.random.PRNGKey(0))
+  full = memory_plan.with_remat(graphdef, params, 'full')
+  assert memory_plan.with_remat(graphdef, params, 'none') is graphdef
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 64)
+
+  def loss(graphdef):
+    return lambda p: models.logits(graphdef, p, tokens).astype(jax.numpy.float32).mean()
+
+  for a, b in zip(
+    jax.tree.leaves(jax.grad(loss(graphdef))(params)),
+    jax.tree.leaves(jax.grad(loss(full))(params)),
+    strict=True,
+  ):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_free_bytes_reads_the_device_or_the_host():
+  assert memory_plan.free_bytes(jax.devices()[0]) > 0
+  assert memory_plan.size(5 * 2**30 + 2**29) == '5.5 GiB' and memory_plan.size(12) == '12 B'
+
+
+def _job(tmp_path, name, **fields):
+  # One minibatch of 16 rows, 2 per batch shard of the 8 test devices, of up
+  # to 48 + 6 tokens (the probe's; the prompts sampled are shorter): the
+  # activations outweigh the gradients' accumulator.
+  base = {**QUIET, 'rl.minibatch_size': 16, 'task.max_prompt_len': 48}
+  config = shrunk_config(tmp_path / name, {**base, **fields})
+  return config, trainers.build(config)
+
+
+def test_a_short_limit_gives_micro_batches_then_remat_as_measured(tmp_path):
+  # Nothing fits: every candidate is compiled and measured.
+  _, job = _job(tmp_path, 'all', **{'train.memory_limit_gib': 1e-9})
+  controller.close(job)
+  measured = {(r, b): n for r, b, n in job.memory_plan.measured}
+  assert 'nothing fits' in job.memory_plan.reason
+  whole = measured['none', 0]
+  assert measured['none', job.res.seq_len] < whole  # one row per micro-batch: less memory
+  # A limit just under the whole minibatch without remat: the first
+  # candidate that the measurements say fits.
+  limit = whole - 1
+  config, job = _job(tmp_path, 'short', **{'train.memory_limit_gib': limit / 2**30})
+  plan = job.memory_plan
+  first_fit = next((r, b) for r, b, n in job.memory_plan.measured if n <= plan.limit)
+  assert (plan.remat, plan.budget) == first_fit == ('none', job.res.seq_len)
+  assert plan.need <= plan.limit <= limit
+  assert plan.budget == 0 or plan.budget < config.rl.minibatch_size * job.res.seq_len
+  _, steps = job.steps
+  rl_step = getattr(steps.rl, 'fn', steps.rl)
+  assert isinstance(rl_step, trainers.common.MicroBatchedStep) == (plan.budget > 0)
+  state = job.start_rl(job.state) if config.sft.steps else job.state
+  state, m = job.iterate(state, config.sft.steps)
+  controller.close(job)
+  assert np.isfinite(m['actor/loss'])
+  assert m['throughput/micro_batches'] >= 1  # the budget is in tokens: real rows are shorter
+  # The choice is kept for a restart with the same candidates.
+  with open(tmp_path / 'short' / 'memory_plan.json', encoding='utf-8') as f:
+    assert json.load(f)['plan']['budget'] == plan.budget
+  _, again = _job(tmp_path, 'short', **{'train.memory_limit_gib': 1.0})
+  controller.close(again)
+  assert (again.memory_plan.remat, again.memory_plan.budget) == (plan.remat, plan.budget)
+  assert 'as the run chose at its start' in again.memory_plan.reason
+
+
+def test_set_fields_are_kept_and_small_models_are_not_compiled(tmp_path):
+  _, job = _job(tmp_path, 'small')
+  controller.close(job)
+  assert (job.memory_plan.remat, job.memory_plan.budget) == ('none', 0)
+  assert 'not compiled' in job.memory_plan.reason and job.memory_plan.measured == ()
+  _, job = _job(tmp_path, 'full', **{'model.remat': 'full', 'train.memory_limit_gib': 1e-9})
+  controller.close(job)
+  assert {r for r, _, _ in job.memory_plan.measured} == {'full'}
+  _, job = _job(tmp_path, 'off', **{'train.memory_plan': 'off', 'train.memory_limit_gib': 1e-9})
+  controller.close(job)
+  assert (job.memory_plan.remat, job.memory_plan.budget, job.memory_plan.need) == ('none', 0, 0)
+  assert not os.path.exists(tmp_path / 'off' / 'memory_plan.json')
+
+
+def test_ppo_plans_its_policy_and_critic_update(tmp_path):
+  config, job = _job(tmp_path, 'ppo', algorithm='ppo', **{'train.memory_limit_gib': 1e-9})
+  controller.close(job)
+  assert job.memory_plan.measured and 'nothing fits' in job.memory_plan.reason
+  whole = job.memory_plan.measured[0][2]
+  _, job = _job(
+    tmp_path, 'ppo2', algorithm='ppo', **{'train.memory_limit_gib': (whole - 1) / 2**30}
+  )
+  state = job.start_rl(job.state) if config.sft.steps else job.state
+  state, m = job.iterate(state, config.sft.steps)
+  controller.close(job)
+  assert (job.memory_plan.remat, job.memory_plan.budget) != ('none', 0)
+  assert np.isfinite(m['actor/loss']) and np.isfinite(m['critic/vf_loss'])
+
+
+@pytest.mark.parametrize(
+  'field, value, message',
+  [
+    ('train.memory_plan', 'maybe', "must be 'auto' or 'off'"),
+    ('train.memory_limit_gib', -1.0, 'train.memory_limit_gib'),
+    ('model.remat', 'some', "'auto' or one of"),
+  ],
+)
+def test_bad_fields_are_named(tmp_path, field, value, message):
+  config = shrunk_config(tmp_path, {**QUIET, field: value})
+  with pytest.raises(ValueError, match=message):
+    trainers.build(config)
