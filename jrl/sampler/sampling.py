@@ -12,6 +12,15 @@ is log_softmax(logits / T), exactly what the trainer recomputes with
 log_softmax(logits) at the argmax (temperature 1, no truncation), so that
 greedy rollouts are scored like the trainer scores them.
 
+Drawing is by inverse CDF in two levels (`draw`): one uniform picks a block
+of BLOCK tokens by the blocks' masses, a second picks the token inside it
+by the block's cumulative masses. Its cost is one exp over [S, V] and two
+short cumulative sums, against V Gumbel draws per row for
+`jax.random.categorical` (64 rows x 49,152 tokens: 3 ms against 64 ms a
+decode step on two CPU cores). The float32 partial sums are over at most
+BLOCK terms, so a token's drawn probability is exact to float32 rounding
+of its block's mass.
+
 Truncation rules: top-k keeps every logit ≥ the k-th largest (ties at the
 boundary are kept); top-p keeps the smallest prefix of tokens in descending
 order whose probability mass reaches p (at least one token).
@@ -23,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
+BLOCK = 1024  # tokens per block of the two-level draw
 
 
 class SamplingParams(NamedTuple):
@@ -55,6 +65,34 @@ def _truncate(z_SxV, top_k_S, top_p_S):
   return jnp.where(z_SxV >= threshold_S[:, None], z_SxV, _NEG)
 
 
+def _last_positive(mass_SxN):
+  """Index of each row's last entry > 0 (0 if none)."""
+  n = mass_SxN.shape[-1]
+  return n - 1 - jnp.argmax(mass_SxN[:, ::-1] > 0, axis=-1)
+
+
+def _pick(mass_SxN, u_S):
+  """The entry whose cumulative-mass interval holds u x the row's total,
+  never one of zero mass (the rounding of u x total up to it included)."""
+  c_SxN = jnp.cumsum(mass_SxN, axis=-1)
+  at_S = jnp.sum(c_SxN <= (u_S * c_SxN[:, -1])[:, None], axis=-1)
+  return jnp.minimum(at_S, _last_positive(mass_SxN))
+
+
+def draw(z_SxV, keys_S):
+  """One token per row from softmax(z) (rows of float32 scores, −1e30 or
+  −inf for excluded tokens), by a two-level inverse CDF over blocks of
+  BLOCK tokens; `keys_S` [S] typed PRNG keys, one uniform pair each."""
+  s, v = z_SxV.shape
+  nb = -(-v // BLOCK)
+  z = jnp.pad(z_SxV, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf)
+  p_SxNxB = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)).reshape(s, nb, BLOCK)
+  u_Sx2 = jax.vmap(lambda k: jax.random.uniform(k, (2,)))(keys_S)
+  block_S = _pick(jnp.sum(p_SxNxB, axis=-1), u_Sx2[:, 0])
+  inside_SxB = jnp.take_along_axis(p_SxNxB, block_S[:, None, None], axis=1)[:, 0]
+  return (block_S * BLOCK + _pick(inside_SxB, u_Sx2[:, 1])).astype(jnp.int32)
+
+
 def sample(logits_SxV, keys_S, params, truncate=None):
   """Draws one token per slot.
 
@@ -85,7 +123,7 @@ def sample(logits_SxV, keys_S, params, truncate=None):
   elif truncate:
     z_SxV = _truncate(z_SxV, params.top_k, params.top_p)
   z_SxV = jnp.where(params.greedy[:, None], logits_SxV, z_SxV)
-  drawn_S = jax.vmap(lambda k, z: jax.random.categorical(k, z))(keys_S, z_SxV)
+  drawn_S = draw(z_SxV, keys_S)
   tokens_S = jnp.where(params.greedy, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
   # Log-probabilities in float32, under the distribution sampled from.
   logp_SxV = jax.nn.log_softmax(z_SxV, axis=-1)

@@ -857,7 +857,7 @@ def test_min_new_tokens_forbids_stop_tokens_before_it():
   _, params = _model()
   # Four tokens of 64 stop: without a minimum some samples end in their first tokens.
   stop = tuple(range(0, 64, 16))
-  base = _requests(({'temperature': 1.0},), seed=21, stop_tokens=stop)
+  base = _requests(({'temperature': 1.0},), seed=22, stop_tokens=stop)
   base = [dataclasses.replace(r, max_new_tokens=MAX_NEW) for r in base]
   free = _flat(_sampler().generate(params, base, group_size=4))
   assert sum(len(c.tokens) <= 3 for c in free) > 2  # the minimum has something to do
@@ -1201,3 +1201,28 @@ def test_compilation_cache_persists_programs(tmp_path):
   first, second = (int(r.stdout.split('HITS')[-1]) for r in runs)
   assert any((tmp_path / 'xla_cache').iterdir())
   assert first == 0 and second >= 3  # admit, generate, free at least came from disk
+
+
+def test_the_two_level_draw_follows_the_softmax_and_never_an_excluded_token():
+  from jrl.sampler import sampling
+
+  v, n = 2 * sampling.BLOCK + 452, 100_000  # 3 blocks, the last one padded
+  rng = np.random.default_rng(0)
+  z = rng.normal(size=v).astype(np.float32) * 2
+  z[rng.choice(v, 300, replace=False)] = -1e30  # excluded (top-k / top-p, stop rules)
+  z[-5:] = -1e30  # the last tokens excluded: the padded block's tail has no mass
+  only = np.full(v, -1e30, np.float32)
+  only[sampling.BLOCK - 1] = 0.0  # a single allowed token at a block's edge
+  keys = jax.random.split(jax.random.key(0), n)
+  tokens = np.asarray(
+    jax.jit(jax.vmap(lambda k, row: sampling.draw(row[None], k[None])[0], (0, None)))(
+      keys, jnp.asarray(z)
+    )
+  )
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  freq = np.bincount(tokens, minlength=v) / n
+  assert freq[p == 0].sum() == 0
+  assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 2e-5)
+  single = sampling.draw(jnp.asarray(np.stack([only] * 64)), keys[:64])
+  assert set(np.asarray(single).tolist()) == {sampling.BLOCK - 1}
