@@ -631,10 +631,16 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   med = lambda k: statistics.median(r[k] for r in steady)
   rl = config.rl
   rows = rl.prompts_per_step * rl.group_size
-  # The update runs forward + backward (3x forward FLOPs) on every padded token;
-  # the LoRA adapters' own matmuls are not counted (the full model's formula).
+  # The update runs forward + backward (3x forward FLOPs) on every token it
+  # runs: the real ones over the layout's real-token share (padded, packed or
+  # shared-prompt rows); the LoRA adapters' own
+  # matmuls are not counted (the full model's formula).
   padded = rows * seq_len * rl.epochs
-  update_flops = 3 * model_flops_per_token(mc.replace(lora=None), seq_len) * padded
+  run = padded
+  if 'throughput/real_token_frac_packed' in steady[0]:
+    real = med('throughput/update_tokens_per_s') * med('time/update')
+    run = real / med('throughput/real_token_frac_packed')
+  update_flops = 3 * model_flops_per_token(mc.replace(lora=None), seq_len) * run
   gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
   for stage in ('generate', 'reward', 'reference', 'update', 'step'):
     print(f'{p}{stage:10s} {med("time/" + stage):8.3f} s')
@@ -655,7 +661,7 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
     note = ' (LoRA: no base-weight gradients are computed, MFU by the full-model 3x formula)'
   print(
     f'{p}update:    {med("throughput/update_tokens_per_s"):9.0f} tokens/s '
-    f'({padded / med("time/update"):.0f} padded tokens/s), MFU '
+    f'({run / med("time/update"):.0f} tokens run/s), MFU '
     f'{100 * update_flops / med("time/update") / peak:.1f}% of a {peak / 1e9:.0f} GFLOP/s '
     f'float32 matmul peak{note}'
   )

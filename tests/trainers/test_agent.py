@@ -5,6 +5,7 @@ demonstrations, 2 RL steps). The tests wrap the environment to record what
 it returned and the trainer's batch to see what it trained on.
 """
 
+import itertools
 import time
 
 import jax
@@ -138,10 +139,12 @@ def test_episode_metrics_are_logged(agent_run):
 
 
 class Flaky:
-  """Raises on turns that contain '1', hangs on turns that contain '2', returns
-  garbage on '3', answers otherwise."""
+  """In turn, over every trajectory's tool calls: raises, hangs, returns
+  garbage, answers (the order of the calls, not their text, so that every
+  failure happens whatever the sampled turns say)."""
 
   turn_stop_tokens = ()
+  calls = None  # itertools.count, set by the test
 
   def __init__(self, tokenizer):
     self.tokenizer = tokenizer
@@ -152,12 +155,12 @@ class Flaky:
     return self.inner.reset(example)
 
   def step(self, turn):
-    text = self.tokenizer.decode(turn)
-    if '1' in text:
+    kind = next(Flaky.calls) % 4
+    if kind == 0:
       raise ValueError('flaky tool')
-    if '2' in text:
+    if kind == 1:
       time.sleep(2)
-    if '3' in text:
+    if kind == 2:
       return Step([10**6])
     return self.inner.step(turn)
 
@@ -170,6 +173,7 @@ def test_environments_that_raise_hang_or_return_garbage_end_only_their_trajector
 ):
   task = episodes.ENVIRONMENTS['arith_tool'][0]
   monkeypatch.setitem(episodes.ENVIRONMENTS, 'arith_tool', (task, Flaky))
+  monkeypatch.setattr(Flaky, 'calls', itertools.count())
   config = agent_config(
     tmp_path, {'agent.sft_tool_frac': 1.0, 'agent.step_timeout_s': 0.2, 'rl.steps': 2}
   )
@@ -183,7 +187,7 @@ def test_environments_that_raise_hang_or_return_garbage_end_only_their_trajector
 
 
 def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
-  config = agent_config(tmp_path, {'agent.sft_tool_frac': 0.9, 'rl.steps': 1})
+  config = agent_config(tmp_path, {'agent.sft_tool_frac': 0.9, 'rl.steps': 1, 'sft.steps': 6})
   config.unlock()
   config.ppo = config_common.ppo_section()
   config.agent.trainer = 'ppo'
