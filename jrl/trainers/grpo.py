@@ -137,18 +137,15 @@ def build(
       put(tokens), put(mask), put(loss_mask), zeros, zeros, zeros, is_weights
     )
 
-  try:
-    steps, packer, plan = online.planned_steps(
-      config,
-      res,
-      state,
-      packer,
-      lambda remat, p: make_steps(config, res, tx, schedule, shardings, p, remat),
-      probe_batch,
-    )
-  except BaseException:
-    worker.close()
-    raise
+  steps, packer, plan = online.planned_steps(
+    config,
+    res,
+    state,
+    packer,
+    lambda remat, p: make_steps(config, res, tx, schedule, shardings, p, remat),
+    probe_batch,
+    worker=worker,
+  )
   shaper = online.RewardShaper(config.reward)
   adv_cfg = policy_step.advantage_config(rl)
 

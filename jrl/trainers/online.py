@@ -163,7 +163,7 @@ def worst_case_rows(config, seq_len, vocab_size):
   return tokens, mask, loss_mask
 
 
-def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1):
+def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1, worker=None):
   """(steps, packer, memory_plan.Plan): the update's remat policy and
   micro-batch budget chosen by `memory_plan.plan` (`train.memory_plan`).
 
@@ -174,7 +174,18 @@ def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1)
     probe_batch: (tokens, mask, loss_mask) host [B, T] -> the update's batch
       on the mesh (without `packed`).
     models: how many models of the policy's size the update trains (PPO: 2).
+    worker: the rollout worker, closed (its reward processes stopped) when
+      the plan fails.
   """
+  try:
+    return _planned_steps(config, res, state, packer, make_steps, probe_batch, models)
+  except BaseException:
+    if worker is not None:
+      worker.close()
+    raise
+
+
+def _planned_steps(config, res, state, packer, make_steps, probe_batch, models):
   rl = config.rl
   shards = common.batch_shards(res.batch_sharding)
   per_row = rl.group_size if packer.kind == 'shared_prompt' else 1

@@ -290,19 +290,16 @@ def build(
     z = put(np.zeros(tokens.shape, np.float32))
     return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z)
 
-  try:
-    steps, packer, plan = online.planned_steps(
-      config,
-      res,
-      state,
-      packer,
-      lambda remat, p: make_steps(config, res, critic, optimizers, shardings, p, remat),
-      probe_batch,
-      models=2,  # the policy and its critic
-    )
-  except BaseException:
-    worker.close()
-    raise
+  steps, packer, plan = online.planned_steps(
+    config,
+    res,
+    state,
+    packer,
+    lambda remat, p: make_steps(config, res, critic, optimizers, shardings, p, remat),
+    probe_batch,
+    models=2,  # the policy and its critic
+    worker=worker,
+  )
   shaper = online.RewardShaper(config.reward)
 
   def rl_iteration(state, it):
