@@ -313,6 +313,21 @@ def sampler_section():
   return s
 
 
+def code_section():
+  """`reward.code`: the code_tests reward (jrl/rewards/code/README.md)."""
+  s = ml_collections.ConfigDict()
+  # the rows' test layout: 'auto' (detected from the fields, logged) | 'stdin' | 'call' |
+  # 'apps' | 'codecontests' | 'livecodebench' | 'humaneval' | 'mbpp'
+  s.format = 'auto'
+  s.asserts = 'refuse'  # HumanEval/MBPP asserts that do not convert: 'refuse' | 'in_program'
+  s.score = 'fraction'  # 'fraction' of the cases passed | 'all' (1.0 only when all pass)
+  s.budget_s = 20.0  # seconds for one call's programs; keep it below reward.timeout_s
+  s.concurrency = 0  # programs run at once; 0: 2 per CPU, 4 to 16
+  s.case_wall_s = 0.0  # seconds per test case; 0: a row's `limits`, else 5
+  s.strict_types = False  # call-based: the same types at every level (bool is not int)
+  return s
+
+
 def reward_section():
   """Scoring completions: the online algorithms."""
   s = ml_collections.ConfigDict()
@@ -327,7 +342,8 @@ def reward_section():
   # no answer) for `max_unscored_steps` RL iterations in a row; 1.0: never.
   s.max_unscored_frac = 0.9
   s.max_unscored_steps = 3
-  s.sandbox_unsafe = False  # code_tests: run programs even without namespaces (UNSAFE)
+  s.sandbox_unsafe = False  # programs (code_tests, tools): run even without namespaces (UNSAFE)
+  s.code = code_section()
   s.url = ''  # score on a `python -m jrl.rewards.server` instead (functions set there)
   s.model_path = ''  # HF reward model (scalar head); name it 'reward_model' in functions
   s.judge_path = ''  # HF policy-format judge model; name it 'judge' in functions

@@ -155,8 +155,26 @@ REWARD = checks.Section(
     'reward.judge_max_new_tokens': checks.count(1),
     'reward.judge_max_prompt_len': checks.count(1),
     'reward.clip': checks.non_negative(),
+    'reward.code.budget_s': checks.positive(),
+    'reward.code.concurrency': checks.count(0),
+    'reward.code.case_wall_s': checks.non_negative(),
   },
+  lambda config, batch_shards: check_code_reward(config.reward),
 )
+
+
+def check_code_reward(reward_config):
+  """`reward.code`: its names, and a budget the reward service's timeout leaves room for."""
+  if 'code' not in reward_config:
+    return
+  settings = rewards.code.Settings.of(reward_config)
+  if 'code_tests' in reward_config.functions and not reward_config.url:
+    checks.need(
+      settings.budget_s < reward_config.timeout_s,
+      'reward.code.budget_s',
+      f'must be below reward.timeout_s = {reward_config.timeout_s} (a chunk that misses the '
+      "service's deadline is unscored as a whole).",
+    )
 
 
 def check_reward_functions(reward_config):
@@ -201,7 +219,7 @@ def make_scorer(reward_config, tokenizer, mesh, is_main):
     return remote, None
   level = None
   if 'code_tests' in rc.functions:
-    level = rewards.code.configure_sandbox(unsafe=rc.sandbox_unsafe)
+    level = rewards.code.configure_sandbox(rc.sandbox_unsafe, rewards.code.Settings.of(rc))
     if is_main:
       print(f'code_tests: sandbox isolation {level!r}', flush=True)
   service = rewards.RewardService(

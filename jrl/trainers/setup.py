@@ -109,6 +109,20 @@ def encoder(config, tok):
   )
 
 
+def _with_code_tests(check, reward_config):
+  """`check`, then the row's code tests read as code_tests will (a ValueError
+  names the field; the readers add the file and line)."""
+  from jrl.rewards.code import Settings, formats
+
+  cfg = Settings.of(reward_config)
+
+  def both(item):
+    check(item)
+    formats.parse(item, cfg.format, cfg.asserts)
+
+  return both
+
+
 def examples(config, enc, tok):
   """(checker, task, streams). Every example is encoded once now: a character
   the tokenizer lacks or a prompt over `task.max_prompt_len` fails here with
@@ -124,7 +138,11 @@ def examples(config, enc, tok):
   train_check = checker.prompt
   if sft_check is not None and not sft.train_path:
     train_check = sft_check
-  task = tasks.Task(tk, config.seed, checker.prompt, train_check)
+  prompt_check = checker.prompt
+  if 'reward' in config and 'code_tests' in config.reward.functions:
+    prompt_check = _with_code_tests(prompt_check, config.reward)
+    train_check = _with_code_tests(train_check, config.reward)
+  task = tasks.Task(tk, config.seed, prompt_check, train_check)
   sft_source = task.train
   if sft_check is not None and sft.train_path:
     sft_source = read_sft_jsonl(sft.train_path, check=sft_check)

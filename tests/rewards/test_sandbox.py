@@ -187,7 +187,7 @@ def test_code_tests_reward_is_registered_and_batched():
   ]
   meta = [{'tests': ADD_TESTS, 'limits': FAST_META}] * 3 + [{'tests': ADD_TESTS}]
   assert fn(['p'] * 4, completions, meta) == [1.0, 0.0, None, 1.0]
-  with pytest.raises(ValueError, match='empty'):
+  with pytest.raises(ValueError, match='no test case'):
     fn(['p'], ['print(1)'], [{'tests': []}])
 
 
@@ -721,7 +721,10 @@ def visible_children(directory):
 
 def test_checkout_and_home_are_not_visible():
   home = os.path.expanduser('~')
-  files = [os.path.join(REPO, 'pyproject.toml'), os.path.join(REPO, 'jrl', 'rewards', 'code.py')]
+  files = [
+    os.path.join(REPO, 'pyproject.toml'),
+    os.path.join(REPO, 'jrl', 'rewards', 'code', '__init__.py'),
+  ]
   result, marker = run(VIEW.format(dirs=[REPO, home], files=files))
   assert result.status == 'ok', result
   out = json.loads(result.stdout)
@@ -830,9 +833,9 @@ def test_code_reward_refuses_without_namespaces_unless_told(monkeypatch):
 
 def test_slow_programs_do_not_zero_their_neighbours(monkeypatch):
   """4 correct programs and 4 infinite loops in one chunk, through the reward service:
-  the chunk ends within the service's timeout, and only the loops score 0."""
-  monkeypatch.setenv(code.BUDGET_ENV, '8')
-  monkeypatch.setenv(code.CONCURRENCY_ENV, '4')
+  the chunk ends within the service's timeout, and only the loops score 0 (their
+  first case times out; the budget has no room for a second: failed, not unscored)."""
+  monkeypatch.setenv(code.SETTINGS_ENV, json.dumps({'budget_s': 8.0, 'concurrency': 4}))
   loop = '```python\nwhile True:\n  pass\n```'
   right = f'```python\n{ADD}```'
   completions = [right, loop] * 4

@@ -476,12 +476,34 @@ def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path,
   """With `code_tests` among the rewards the trainer checks the sandbox at
   start-up: the isolation level is printed and kept in metrics, and a
   sandbox without namespaces is refused unless `reward.sandbox_unsafe`."""
+  from jrl.data.arith import ArithmeticTask
+  from jrl.data.sources import write_jsonl
   from jrl.rewards import code, sandbox
   from jrl.rewards.sandbox import plan as sandbox_plan
 
   monkeypatch.delenv(code.UNSAFE_ENV, raising=False)
-  overrides = {**QUIET, 'sft.steps': 0, 'rl.steps': 1, 'reward.functions': ('code_tests',)}
-  overrides['reward.max_unscored_steps'] = 5  # arithmetic examples carry no tests: unscored
+  arith = ArithmeticTask(digits=2, ops='+', seed=0)
+  rows = []
+  for i in range(16):  # arithmetic prompts whose tests want the answer printed
+    example = arith.example(i)
+    rows.append(
+      {
+        'prompt': example['prompt'],
+        'answer': example['answer'],
+        'tests': [{'input': '', 'output': example['answer']}],
+      }
+    )
+  data = write_jsonl(tmp_path / 'code.jsonl', rows)
+  overrides = {
+    **QUIET,
+    'sft.steps': 0,
+    'rl.steps': 1,
+    'reward.functions': ('code_tests',),
+    'task.kind': 'file',
+    'task.train_path': str(data),
+    'task.eval_path': str(data),
+  }
+  overrides['reward.max_unscored_steps'] = 5  # an untrained model writes no code: unscored
   config = shrunk_config(tmp_path / 'full', overrides)
   trainers.run(config)
   (record,) = records(config.workdir)

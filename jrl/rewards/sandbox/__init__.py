@@ -14,6 +14,7 @@ missing, and which module holds what.
 """
 
 import logging
+import os
 import threading
 import time
 
@@ -54,8 +55,77 @@ def isolation_metric():
   return ISOLATION_LEVELS.index(isolation_level())
 
 
-def run_program(source, stdin='', *, limits=Limits(), language='python'):  # noqa: B008 (frozen)
-  """Runs `source` with `stdin` under `limits`; returns a RunResult, never raises."""
+UNSAFE_ENV = 'JRL_SANDBOX_UNSAFE'  # '1': run programs in a degraded sandbox
+SAFE_LEVELS = ('full', 'no_cgroup')
+_warned = set()
+
+
+class SandboxUnavailableError(RuntimeError):
+  """The sandbox may not run model-written programs here (see `require_isolation`)."""
+
+
+def _env_flag(name):
+  return os.environ.get(name, '').strip().lower() not in ('', '0', 'false', 'no')
+
+
+def require_isolation(unsafe=None, who='the sandbox'):
+  """The isolation level, if programs may run here; else raises.
+
+  The one check every reward, environment or tool that runs a model-written
+  program goes through (`run_program` calls it on every run).
+
+  Args:
+    unsafe: run programs even in a 'degraded' sandbox (None: the
+      JRL_SANDBOX_UNSAFE environment variable, which `reward.sandbox_unsafe`
+      sets for the reward workers).
+    who: named in the refusal.
+  Returns:
+    'full' | 'no_cgroup' | 'degraded' (the last only when `unsafe`).
+  Raises:
+    SandboxUnavailableError: the sandbox is 'broken', or 'degraded' and not `unsafe`.
+  """
+  unsafe = _env_flag(UNSAFE_ENV) if unsafe is None else bool(unsafe)
+  caps = capabilities()
+  level = caps['isolation']
+  if level == 'broken':
+    raise SandboxUnavailableError(f'the code sandbox cannot run programs here: {caps["self_test"]}')
+  if level in SAFE_LEVELS:
+    return level
+  unprivileged = caps['uid_drop'] or caps['user_namespace']
+  missing = [
+    name
+    for name, ok in [
+      ('a mount namespace (new root)', caps['mount_namespace']),
+      ('a PID namespace with a private /proc', caps['private_proc']),
+      ('a network namespace', caps['network_namespace']),
+      ('an IPC namespace', caps['ipc_namespace']),
+      ('an unprivileged uid (uid drop or user namespace)', unprivileged),
+    ]
+    if not ok
+  ]
+  if not unsafe:
+    raise SandboxUnavailableError(
+      f'{who} refuses to run model-written programs: the sandbox is {level!r} here, '
+      f'missing {", ".join(missing)}, so a program could read its hidden tests, reach the '
+      'network or signal the trainer. Run where namespaces are allowed (root, or unprivileged '
+      'user namespaces), or set reward.sandbox_unsafe=True (JRL_SANDBOX_UNSAFE=1) to run them '
+      f'anyway. Sandbox notes: {"; ".join(caps["notes"])}'
+    )
+  if level not in _warned:
+    _warned.add(level)
+    _log.warning('%s runs programs in a %r sandbox (UNSAFE), missing %s', who, level, missing)
+  return level
+
+
+def run_program(source, stdin='', *, limits=Limits(), language='python', files=None):  # noqa: B008
+  """Runs `source` with `stdin` under `limits`; returns a RunResult and never
+  raises for anything the program does. `files`: {file name: text} put beside
+  the program in its working directory.
+
+  Raises SandboxUnavailableError where the sandbox is degraded and the unsafe
+  opt-in (JRL_SANDBOX_UNSAFE=1, `reward.sandbox_unsafe`) is not set.
+  """
+  require_isolation()
   t0 = time.monotonic()
   try:
     if language != 'python':
@@ -63,7 +133,7 @@ def run_program(source, stdin='', *, limits=Limits(), language='python'):  # noq
     plan = _get_plan()
     if plan['self_test'] != 'ok':
       raise RuntimeError(f'the sandbox cannot run programs here: {plan["self_test"]}')
-    return run(plan, source, stdin, limits, t0)
+    return run(plan, source, stdin, limits, t0, files)
   except Exception as e:
     message = f'sandbox: {type(e).__name__}: {e}'
     return RunResult('sandbox_error', None, '', message, time.monotonic() - t0)

@@ -45,19 +45,27 @@ def pick_uid(plan):
   return lo + int.from_bytes(os.urandom(4), 'little') % span
 
 
-def run(plan, source, stdin, limits, t0):
+def run(plan, source, stdin, limits, t0, files=None):
   """Runs `source` once under `plan` (see `plan.make_plan`); raises if the sandbox
-  fails before the program runs. `t0`: the caller's time.monotonic() at the start."""
+  fails before the program runs. `t0`: the caller's time.monotonic() at the start;
+  `files`: {name: text} written beside the program (main.py) in its workdir."""
   workdir = tempfile.mkdtemp(prefix='jrl_sandbox_')
   uid = pick_uid(plan) if plan['uid_drop'] else None
   proc = status_r = cgroup = None
   try:
     main = os.path.join(workdir, 'main.py')
+    written = [main]
     with open(main, 'w', encoding='utf-8', errors='surrogatepass') as f:
       f.write(source)
+    for name, text in (files or {}).items():
+      if os.path.basename(name) != name or name in ('main.py', 'tmp', '', '.', '..'):
+        raise ValueError(f'a sandbox file is named by a plain file name, not {name!r}')
+      written.append(os.path.join(workdir, name))
+      with open(written[-1], 'w', encoding='utf-8', errors='surrogatepass') as f:
+        f.write(text)
     os.mkdir(os.path.join(workdir, 'tmp'))
     if uid is not None and not plan['mount_namespace']:
-      for p in (workdir, main, os.path.join(workdir, 'tmp')):
+      for p in (workdir, *written, os.path.join(workdir, 'tmp')):
         os.chown(p, uid, uid)
     mem = int(limits.memory_bytes)
     cpu = max(1, int(limits.cpu_seconds))

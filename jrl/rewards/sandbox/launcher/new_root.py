@@ -105,8 +105,12 @@ def setup_filesystem(lib, config):
   workdir (same path as the caller's, a disk quota of `disk_bytes`) and a
   tiny private /dev/shm."""
   workdir = config['workdir']
-  with open(os.path.join(workdir, 'main.py'), 'rb') as f:
-    source = f.read()
+  files = {}  # main.py and the files the caller put beside it
+  for name in sorted(os.listdir(workdir)):
+    path = os.path.join(workdir, name)
+    if os.path.isfile(path) and not os.path.islink(path):
+      with open(path, 'rb') as f:
+        files[name] = f.read()
   enter_new_root(lib, workdir, config['root'], config['proc_options'])
   uid = config['uid'] if config['uid'] is not None else os.getuid()
   size, inodes = config['disk_bytes'], max(64, config['disk_bytes'] // 4096)
@@ -115,10 +119,11 @@ def setup_filesystem(lib, config):
     opts += f',uid={uid},gid={uid}'
   mount(lib, 'tmpfs', workdir, 'tmpfs', MS_NOSUID | MS_NODEV, opts)
   mount(lib, 'tmpfs', '/dev/shm', 'tmpfs', MS_NOSUID | MS_NODEV, 'size=1m,nr_inodes=64,mode=1777')
-  main = os.path.join(workdir, 'main.py')
-  with open(main, 'wb') as f:
-    f.write(source)
+  paths = [os.path.join(workdir, name) for name in files]
+  for path, data in zip(paths, files.values(), strict=True):
+    with open(path, 'wb') as f:
+      f.write(data)
   os.mkdir(os.path.join(workdir, 'tmp'))
   if config['uid'] is not None:
-    for p in (main, os.path.join(workdir, 'tmp')):
+    for p in (*paths, os.path.join(workdir, 'tmp')):
       os.chown(p, uid, uid)

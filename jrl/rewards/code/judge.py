@@ -1,0 +1,156 @@
+"""Running one program on its tests: one sandbox start for all its cases.
+
+    verdict = run_tests(source, tests, limits=Limits(wall_seconds=2), deadline=deadline)
+    verdict.passed, verdict.total, verdict.not_run      # 3, 4, 0
+    verdict.score('fraction')                           # 0.75; None when unscored
+
+The program runs under the sandbox's fixed driver (`sandbox/driver.py`),
+which forks a fresh child per case with the case's limits and reports what
+each case returned or printed; the verdict is taken here, against expected
+values the sandbox never saw.
+
+Time. Each case runs under `limits.wall_seconds` of wall clock (and as many
+CPU seconds, rounded up). A case is not started when less than that is left
+before `deadline`: it is 'not_run', and a program left with such cases is
+unscored (None) unless its own cases timed out (then they count as failed:
+being slow is the program's doing) or, with `score='all'`, a case that did
+run already failed it.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import NamedTuple
+
+from jrl.rewards import sandbox
+from jrl.rewards.code import compare
+from jrl.rewards.code.cases import normalize_output
+from jrl.rewards.sandbox import Limits
+
+DRIVER_PATH = os.path.join(os.path.dirname(os.path.abspath(sandbox.__file__)), 'driver.py')
+STARTUP_S = 1.0  # a sandbox start and clean-up, beyond the cases' own time
+CASE_OVERHEAD_S = 0.05  # the driver's fork and bookkeeping, per case
+SCORES = ('fraction', 'all')
+_DRIVER = None
+
+
+def driver_source():
+  global _DRIVER
+  if _DRIVER is None:
+    with open(DRIVER_PATH, encoding='utf-8') as f:
+      _DRIVER = f.read()
+  return _DRIVER
+
+
+class Verdict(NamedTuple):
+  passed: int
+  total: int
+  not_run: int  # cases not started for lack of budget
+  timed_out: int  # cases stopped at their time limit
+  statuses: tuple  # per case: 'pass' | 'fail' | the driver's status ('timeout', 'error', ...)
+
+  def score(self, how='fraction'):
+    """'fraction': passed / total; 'all': 1.0 if every case passed, else 0.0;
+    None (unscored) when cases were left unrun by the budget (see the module)."""
+    failed = self.total - self.passed - self.not_run
+    if self.not_run and not self.timed_out and not (how == 'all' and failed):
+      return None
+    if how == 'all':
+      return 1.0 if self.passed == self.total else 0.0
+    return self.passed / self.total
+
+
+def _job(tests, case_wall, deadline_s, limits):
+  job = {
+    'mode': tests.kind,
+    'case_wall_s': case_wall,
+    'case_cpu_s': max(1, math.ceil(min(float(limits.cpu_seconds), case_wall))),
+    'deadline_s': deadline_s,
+    'max_output_bytes': int(limits.max_output_bytes),
+  }
+  if tests.kind == 'stdin':
+    job['cases'] = [{'stdin': inp} for inp, _ in tests.cases]
+  elif tests.kind == 'call':
+    job.update(fn=tests.fn_name, cls=tests.class_name)
+    job['cases'] = [
+      {'args': compare.encode(list(c.args)), 'kwargs': compare.encode(dict(c.kwargs))}
+      for c in tests.cases
+    ]
+  else:
+    job.update(check=tests.check, entry=tests.entry_point, cases=[{}])
+  return job
+
+
+def _passes(tests, i, result):
+  if result.get('status') != 'ok':
+    return False
+  if tests.kind == 'stdin':
+    got = result.get('stdout')
+    return isinstance(got, str) and normalize_output(got) == normalize_output(tests.cases[i][1])
+  if tests.kind == 'call':
+    try:
+      value = compare.decode(result['value'])
+    except (compare.BadValue, KeyError, TypeError):
+      return False
+    return compare.matches(value, tests.cases[i].expect)
+  return True  # asserts: the driver checked the verdict token
+
+
+def _results(stdout, n):
+  found = {}
+  for line in stdout.splitlines():
+    line = line.strip()
+    if not line.startswith('{'):
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(row, dict) and type(row.get('case')) is int and 0 <= row['case'] < n:
+      found.setdefault(row['case'], row)
+  return found
+
+
+def run_tests(source, tests, *, limits=None, deadline=None):
+  """The Verdict of `source` on `tests` (formats.StdinTests | CallTests |
+  AssertTests), every case under `limits` (default `Limits()`), none started
+  after `deadline` (time.monotonic(); None: no bound). Raises RuntimeError
+  when the sandbox itself fails (the program is then unscored)."""
+  limits = Limits() if limits is None else limits
+  n = len(tests)
+  case_wall = float(limits.wall_seconds)
+  need = n * (case_wall + CASE_OVERHEAD_S) + STARTUP_S
+  left = need if deadline is None else deadline - time.monotonic()
+  if left < case_wall + STARTUP_S:
+    return Verdict(0, n, n, 0, ('not_run',) * n)
+  run_wall = min(need, left)
+  job = _job(tests, case_wall, run_wall - STARTUP_S, limits)
+  run_limits = dataclasses.replace(
+    limits,
+    wall_seconds=run_wall,
+    cpu_seconds=job['case_cpu_s'] + 1 + math.ceil(0.01 * n),
+    max_output_bytes=n * (int(limits.max_output_bytes) + 512) + 4096,
+  )
+  result = sandbox.run_program(
+    driver_source(), json.dumps(job), limits=run_limits, files={'solution.py': source}
+  )
+  if result.status == 'sandbox_error':
+    raise RuntimeError(f'sandbox failed: {result.stderr[:2000]}')
+  found = _results(result.stdout, n)
+  cut_short = result.status == 'timeout' and run_wall < need  # the budget, not the program
+  statuses, passed, not_run, timed_out = [], 0, 0, 0
+  for i in range(n):
+    row = found.get(i)
+    if row is None:
+      status = 'not_run' if cut_short else 'error'
+    elif _passes(tests, i, row):
+      status = 'pass'
+    else:
+      status = row.get('status') if row.get('status') in ('not_run', 'timeout') else 'fail'
+    statuses.append(status)
+    passed += status == 'pass'
+    not_run += status == 'not_run'
+    timed_out += status == 'timeout'
+  return Verdict(passed, n, not_run, timed_out, tuple(statuses))
