@@ -325,6 +325,8 @@ def code_section():
   s.concurrency = 0  # programs run at once; 0: 2 per CPU, 4 to 16
   s.case_wall_s = 0.0  # seconds per test case; 0: a row's `limits`, else 5
   s.strict_types = False  # call-based: the same types at every level (bool is not int)
+  # call-based: a fresh process per case, instead of one process for a program's cases
+  s.fresh_process_per_case = False
   return s
 
 

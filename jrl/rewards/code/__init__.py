@@ -7,7 +7,9 @@
 `formats.parse` (the layout named by `reward.code.format`, or detected from
 the row's fields): stdin/stdout pairs, call-based cases, or assert code.
 `judge.run_tests` runs the program once in `jrl.rewards.sandbox`, under a fixed
-driver that forks a fresh child per case, and judges what each case printed
+driver that forks children for its cases (one per stdin case; one for a
+program's call cases, or one each with `reward.code.fresh_process_per_case`),
+each case under its own limit, and judges what each case printed
 or returned here, outside the sandbox, against expected values that never
 enter it. The score is the fraction of cases passed (`reward.code.score =
 'fraction'`) or 1.0 only if all pass ('all').
@@ -88,6 +90,9 @@ class Settings:
   concurrency: int = 0  # programs run at once; 0: 2 per CPU, 4 to 16
   case_wall_s: float = 0.0  # per case; 0: the row's limits, else sandbox.Limits
   strict_types: bool = False  # call-based: the same types at every level (bool is not int)
+  # call-based: each case in a fresh process (no state shared between cases)
+  # instead of one process for a program's cases (as HumanEval's and APPS's harnesses)
+  fresh_process_per_case: bool = False
 
   def __post_init__(self):
     if self.format not in formats.FORMATS:
@@ -104,6 +109,9 @@ class Settings:
         raise ValueError(f'reward.code.{name} must be a finite number >= 0, got {value!r}')
     if self.budget_s <= 0:
       raise ValueError(f'reward.code.budget_s must be > 0, got {self.budget_s!r}')
+    for name in ('strict_types', 'fresh_process_per_case'):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f'reward.code.{name} must be True or False, got {getattr(self, name)!r}')
     if not isinstance(self.concurrency, int) or self.concurrency < 0:
       raise ValueError(f'reward.code.concurrency must be an integer >= 0, got {self.concurrency!r}')
 
@@ -220,26 +228,32 @@ def _row_limits(meta, case_wall_s):
   return limits
 
 
-def score_program(source, tests, *, limits=None, budget_s=None, score='fraction'):
+def score_program(
+  source, tests, *, limits=None, budget_s=None, score='fraction', fresh_process_per_case=False
+):
   """The score of `source` on `tests` (any layout `formats.parse` reads, as the
   row's `tests` field, or a parsed StdinTests / CallTests / AssertTests),
   within `budget_s` seconds (None: no bound but the limits); None: unscored."""
   if not hasattr(tests, 'kind'):
     tests = formats.parse({'tests': tests})
   deadline = None if budget_s is None else time.monotonic() + float(budget_s)
-  return run_tests(source, tests, limits=limits, deadline=deadline).score(score)
+  verdict = run_tests(
+    source, tests, limits=limits, deadline=deadline, fresh_process_per_case=fresh_process_per_case
+  )
+  return verdict.score(score)
 
 
-def score_programs(sources, tests, limits, *, budget_s, concurrency):
+def score_programs(sources, tests, limits, *, budget_s, concurrency, fresh_process_per_case=False):
   """The Verdict of each (source, tests, limits), at most `concurrency` at a
   time, none started after `budget_s` seconds from now."""
   if not sources:
     return []
   deadline = time.monotonic() + float(budget_s)
   concurrency = max(1, min(int(concurrency), len(sources)))
+  fresh = fresh_process_per_case
   with futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
     jobs = [
-      pool.submit(run_tests, s, t, limits=lim, deadline=deadline)
+      pool.submit(run_tests, s, t, limits=lim, deadline=deadline, fresh_process_per_case=fresh)
       for s, t, lim in zip(sources, tests, limits, strict=True)
     ]
     return [job.result() for job in jobs]
@@ -268,7 +282,12 @@ def code_tests(prompts, completions, metadata):
       limits.append(_row_limits(meta, cfg.case_wall_s))
   scores = [None] * len(completions)
   verdicts = score_programs(
-    sources, tests, limits, budget_s=cfg.budget_s, concurrency=cfg.workers()
+    sources,
+    tests,
+    limits,
+    budget_s=cfg.budget_s,
+    concurrency=cfg.workers(),
+    fresh_process_per_case=cfg.fresh_process_per_case,
   )
   unrun = 0
   for i, verdict in zip(index, verdicts, strict=True):

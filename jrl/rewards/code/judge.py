@@ -4,8 +4,9 @@
     verdict.passed, verdict.total, verdict.not_run      # 3, 4, 0
     verdict.score('fraction')                           # 0.75; None when unscored
 
-The program runs under the sandbox's fixed driver (`sandbox/driver.py`),
-which forks a fresh child per case with the case's limits and reports what
+The program runs under the sandbox's fixed driver (`sandbox/driver.py`,
+through `sandbox.run_driver`), which forks children for the cases (see its
+docstring), each case under its own limits, and reports what
 each case returned or printed; the verdict is taken here, against expected
 values the sandbox never saw.
 
@@ -20,7 +21,6 @@ run already failed it.
 import dataclasses
 import json
 import math
-import os
 import time
 from typing import NamedTuple
 
@@ -29,19 +29,9 @@ from jrl.rewards.code import compare
 from jrl.rewards.code.cases import normalize_output
 from jrl.rewards.sandbox import Limits
 
-DRIVER_PATH = os.path.join(os.path.dirname(os.path.abspath(sandbox.__file__)), 'driver.py')
 STARTUP_S = 1.0  # a sandbox start and clean-up, beyond the cases' own time
 CASE_OVERHEAD_S = 0.05  # the driver's fork and bookkeeping, per case
 SCORES = ('fraction', 'all')
-_DRIVER = None
-
-
-def driver_source():
-  global _DRIVER
-  if _DRIVER is None:
-    with open(DRIVER_PATH, encoding='utf-8') as f:
-      _DRIVER = f.read()
-  return _DRIVER
 
 
 class Verdict(NamedTuple):
@@ -62,7 +52,7 @@ class Verdict(NamedTuple):
     return self.passed / self.total
 
 
-def _job(tests, case_wall, deadline_s, limits):
+def _job(tests, case_wall, deadline_s, limits, fresh_process_per_case=False):
   job = {
     'mode': tests.kind,
     'case_wall_s': case_wall,
@@ -74,6 +64,7 @@ def _job(tests, case_wall, deadline_s, limits):
     job['cases'] = [{'stdin': inp} for inp, _ in tests.cases]
   elif tests.kind == 'call':
     job.update(fn=tests.fn_name, cls=tests.class_name)
+    job['fresh_process_per_case'] = fresh_process_per_case
     job['cases'] = [
       {'args': compare.encode(list(c.args)), 'kwargs': compare.encode(dict(c.kwargs))}
       for c in tests.cases
@@ -113,11 +104,14 @@ def _results(stdout, n):
   return found
 
 
-def run_tests(source, tests, *, limits=None, deadline=None):
+def run_tests(source, tests, *, limits=None, deadline=None, fresh_process_per_case=False):
   """The Verdict of `source` on `tests` (formats.StdinTests | CallTests |
   AssertTests), every case under `limits` (default `Limits()`), none started
-  after `deadline` (time.monotonic(); None: no bound). Raises RuntimeError
-  when the sandbox itself fails (the program is then unscored)."""
+  after `deadline` (time.monotonic(); None: no bound). Call-based cases run
+  one after another in one process (a fresh one after a case that timed out
+  or crashed), or each in a fresh process with `fresh_process_per_case`.
+  Raises RuntimeError when the sandbox itself fails (the program is then
+  unscored)."""
   limits = Limits() if limits is None else limits
   n = len(tests)
   case_wall = float(limits.wall_seconds)
@@ -126,16 +120,14 @@ def run_tests(source, tests, *, limits=None, deadline=None):
   if left < case_wall + STARTUP_S:
     return Verdict(0, n, n, 0, ('not_run',) * n)
   run_wall = min(need, left)
-  job = _job(tests, case_wall, run_wall - STARTUP_S, limits)
+  job = _job(tests, case_wall, run_wall - STARTUP_S, limits, fresh_process_per_case)
   run_limits = dataclasses.replace(
     limits,
     wall_seconds=run_wall,
     cpu_seconds=job['case_cpu_s'] + 1 + math.ceil(0.01 * n),
     max_output_bytes=n * (int(limits.max_output_bytes) + 512) + 4096,
   )
-  result = sandbox.run_program(
-    driver_source(), json.dumps(job), limits=run_limits, files={'solution.py': source}
-  )
+  result = sandbox.run_driver(json.dumps(job), limits=run_limits, files={'solution.py': source})
   if result.status == 'sandbox_error':
     raise RuntimeError(f'sandbox failed: {result.stderr[:2000]}')
   found = _results(result.stdout, n)

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 
+from jrl.rewards.sandbox import zygote
 from jrl.rewards.sandbox.plan import ISOLATION_LEVELS, make_plan
 from jrl.rewards.sandbox.results import STATUSES, KiB, Limits, MiB, RunResult
 from jrl.rewards.sandbox.runner import run
@@ -125,14 +126,35 @@ def run_program(source, stdin='', *, limits=Limits(), language='python', files=N
   Raises SandboxUnavailableError where the sandbox is degraded and the unsafe
   opt-in (JRL_SANDBOX_UNSAFE=1, `reward.sandbox_unsafe`) is not set.
   """
+  if language != 'python':
+    t0 = time.monotonic()
+    message = f'sandbox: ValueError: unsupported language {language!r}; only python runs'
+    return RunResult('sandbox_error', None, '', message, time.monotonic() - t0)
+  return _run(source, stdin, limits, files, 'exec')
+
+
+def run_driver(job, *, limits=Limits(), files=None):  # noqa: B008
+  """Runs the fixed test driver (`driver.py`, see its docstring) on `job` (its
+  stdin: JSON text) with `files` beside it, the program under test as
+  'solution.py'; returns a RunResult (one JSON line per case on stdout).
+
+  With a zygote the driver is already loaded in the warm process that each
+  run is forked from, so no interpreter starts; elsewhere it runs as main.py.
+  Raises SandboxUnavailableError as `run_program` does.
+  """
+  return _run(zygote.driver_source(), job, limits, files, 'driver')
+
+
+def _run(source, stdin, limits, files, entry):
   require_isolation()
   t0 = time.monotonic()
   try:
-    if language != 'python':
-      raise ValueError(f'unsupported language {language!r}; only python runs in the sandbox')
     plan = _get_plan()
     if plan['self_test'] != 'ok':
       raise RuntimeError(f'the sandbox cannot run programs here: {plan["self_test"]}')
+    warm = zygote.get() if zygote.eligible(plan) else None
+    if warm is not None:
+      return zygote.run(plan, warm, source, stdin, limits, t0, files, entry)
     return run(plan, source, stdin, limits, t0, files)
   except Exception as e:
     message = f'sandbox: {type(e).__name__}: {e}'

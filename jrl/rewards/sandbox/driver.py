@@ -1,7 +1,8 @@
 """The fixed driver that runs every test case of one program inside one
-sandbox start. Standard library only: it is the sandbox's main program
-(`python -I main.py`, this file's text), with the model's program beside it
-as `solution.py`, and is never imported by jrl.
+sandbox start. Standard library only: `sandbox.run_driver` runs its `main`,
+loaded in the warm zygote (or as the sandbox's main program, `python -I
+main.py`, this file's text, where there is no zygote), with the model's
+program beside it as `solution.py`; jrl itself never imports it.
 
 Its job arrives on stdin, one JSON document; it holds the cases' INPUTS only
 (call arguments, or stdin text), never an expected value:
@@ -10,19 +11,26 @@ Its job arrives on stdin, one JSON document; it holds the cases' INPUTS only
      "fn": "twoSum", "cls": "Solution" | null,      # call mode
      "cases": [{"args": <tagged>, "kwargs": <tagged>} | {"stdin": "..."}],
      "check": "<test code>", "entry": "candidate",  # asserts mode
+     "fresh_process_per_case": false,               # call mode
      "case_wall_s": 2.0, "case_cpu_s": 2, "deadline_s": 18.0,
      "max_output_bytes": 65536}
 
-For each case the driver forks a child from its own warm interpreter (the
-driver never runs the program's code itself); the child puts itself in a
-process group of its own, points stdin at the case's input (or /dev/null),
-stdout and stderr at /dev/null (call mode) or a pipe to the driver (stdin
-mode), closes every other descriptor but its result pipe, sets RLIMIT_CPU
-and runs the program. A call-mode child then calls the function and writes
-the return value, encoded with tags for the types JSON lacks, to its result
-pipe; the driver kills the child's group after `case_wall_s`, when the
-output passes `max_output_bytes`, or when it has exited. A case that would
-start with less than `case_wall_s` left before `deadline_s` is not started
+The driver never runs the program's code itself: it forks children from its
+own warm interpreter (in a zygote run, the zygote's: see sandbox/README.md).
+A stdin or asserts case gets a child of its own; call-mode cases run one
+after another in one child (each call on a fresh instance, for a class),
+or one child per case with "fresh_process_per_case": true, and after a
+case that timed out, crashed or passed the output cap the next cases run in
+a fresh child. A child puts itself in a process group of its own, points
+stdin at the case's input (or /dev/null), stdout and stderr at /dev/null
+(call mode) or a pipe to the driver (stdin mode), closes every other
+descriptor but its result pipe, sets RLIMIT_CPU and runs the program. A
+call-mode child then calls the function and writes the return value,
+encoded with tags for the types JSON lacks, as one line per case to its
+result pipe; the driver kills the child's group when a case passes
+`case_wall_s`, when its output passes `max_output_bytes`, or when it has
+done. A case that would start with less than `case_wall_s` left before
+`deadline_s` is not started
 ('not_run'). The driver makes itself non-dumpable, so a child cannot open
 its descriptors or memory through /proc, and writes one JSON line per case,
 as each ends, to its real stdout, which no child holds, then a last line
@@ -157,43 +165,53 @@ def _short(exc):
   return text[:300]
 
 
-def _child(code, job, case, result_w, devnull, input_fd, max_fd):
-  """Runs in the forked child; never returns."""
+def _setup_child(job, result_w, devnull, input_fd, max_fd, cpu_s):
+  """The forked child's own process group, descriptors, CPU limit and streams."""
+  os.setpgid(0, 0)
+  mode = job['mode']
+  os.dup2(input_fd if input_fd is not None else devnull, 0)
+  os.dup2(result_w if mode == 'stdin' else devnull, 1)
+  os.dup2(devnull, 2)
+  keep = 1 if mode == 'stdin' else result_w
+  for fd in range(3, max_fd):
+    if fd != keep:
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+  cpu = max(1, int(cpu_s))
+  hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+  if hard != resource.RLIM_INFINITY:
+    cpu = min(cpu, max(1, hard - 1))
+  resource.setrlimit(
+    resource.RLIMIT_CPU, (cpu, cpu + 1 if hard == resource.RLIM_INFINITY else min(cpu + 1, hard))
+  )
+  sys.stdin = io.TextIOWrapper(io.FileIO(0, 'r', closefd=False), encoding='utf-8', errors='replace')
+  sys.stdout = io.TextIOWrapper(
+    io.FileIO(1, 'w', closefd=False), encoding='utf-8', errors='replace'
+  )
+  sys.stderr = io.TextIOWrapper(
+    io.FileIO(2, 'w', closefd=False), encoding='utf-8', errors='replace'
+  )
+  sys.argv = ['solution.py']
+  signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def _write_all(fd, data):
   try:
-    os.setpgid(0, 0)
-    mode = job['mode']
-    os.dup2(input_fd if input_fd is not None else devnull, 0)
-    os.dup2(result_w if mode == 'stdin' else devnull, 1)
-    os.dup2(devnull, 2)
-    keep = 1 if mode == 'stdin' else result_w
-    for fd in range(3, max_fd):
-      if fd != keep:
-        try:
-          os.close(fd)
-        except OSError:
-          pass
-    cpu = max(1, int(job['case_cpu_s']))
-    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    if hard != resource.RLIM_INFINITY:
-      cpu = min(cpu, max(1, hard - 1))
-    resource.setrlimit(
-      resource.RLIMIT_CPU, (cpu, cpu + 1 if hard == resource.RLIM_INFINITY else min(cpu + 1, hard))
-    )
-    sys.stdin = io.TextIOWrapper(
-      io.FileIO(0, 'r', closefd=False), encoding='utf-8', errors='replace'
-    )
-    sys.stdout = io.TextIOWrapper(
-      io.FileIO(1, 'w', closefd=False), encoding='utf-8', errors='replace'
-    )
-    sys.stderr = io.TextIOWrapper(
-      io.FileIO(2, 'w', closefd=False), encoding='utf-8', errors='replace'
-    )
-    sys.argv = ['solution.py']
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    while data:
+      data = data[os.write(fd, data) :]
+  except OSError:
+    os._exit(1)
+
+
+def _child(code, job, result_w, devnull, input_fd, max_fd):
+  """A stdin or asserts case, in the forked child; never returns."""
+  try:
+    _setup_child(job, result_w, devnull, input_fd, max_fd, job['case_cpu_s'])
   except BaseException:
     os._exit(70)
-  write = os.write
-  if mode == 'stdin':
+  if job['mode'] == 'stdin':
     code_ok = 0
     try:
       exec(code, {'__name__': '__main__', '__builtins__': builtins, '__file__': 'solution.py'})
@@ -209,30 +227,45 @@ def _child(code, job, case, result_w, devnull, input_fd, max_fd):
   try:
     namespace = {'__name__': 'solution', '__builtins__': builtins, '__file__': 'solution.py'}
     exec(code, namespace)
-    if mode == 'asserts':
-      exec(job['check_code'], namespace)
-      namespace['check'](namespace[job['entry']])
-      payload = _dumps({'ok': job['token']})
-    else:
-      cls = namespace.get(job['cls']) if job.get('cls') else None
-      if isinstance(cls, type):  # LeetCode style: a method of the class, if defined
-        fn = getattr(cls(), job['fn'])
-      else:
-        fn = namespace[job['fn']]
-      value = fn(*decode(case.get('args', [])), **decode(case.get('kwargs', {'$d': []})))
-      payload = _dumps({'value': json.dumps(encode(value), allow_nan=False)})
+    exec(job['check_code'], namespace)
+    namespace['check'](namespace[job['entry']])
+    payload = _dumps({'ok': job['token']})
   except SystemExit as e:
     payload = _dumps({'error': f'SystemExit: {e.code!r:.100}'})
-  except _Unencodable as e:
-    payload = _dumps({'bad_return': str(e)})
   except BaseException as e:
     payload = _dumps({'error': _short(e)})
-  data = payload.encode('utf-8', errors='replace')
+  _write_all(result_w, payload.encode('utf-8', errors='replace'))
+  os._exit(0)
+
+
+def _call_child(code, job, cases, result_w, devnull, max_fd):
+  """Call-mode cases, one after another in the forked child, one result line
+  each on `result_w`; never returns."""
   try:
-    while data:
-      data = data[write(result_w, data) :]
-  except OSError:
-    os._exit(1)
+    _setup_child(job, result_w, devnull, None, max_fd, len(cases) * job['case_cpu_s'])
+  except BaseException:
+    os._exit(70)
+  try:
+    namespace = {'__name__': 'solution', '__builtins__': builtins, '__file__': 'solution.py'}
+    exec(code, namespace)
+    cls = namespace.get(job['cls']) if job.get('cls') else None
+    fn = None if isinstance(cls, type) else namespace[job['fn']]
+  except BaseException as e:
+    error = _dumps({'error': _short(e)}) + '\n'
+    _write_all(result_w, error.encode('utf-8', errors='replace') * len(cases))
+    os._exit(0)
+  for case in cases:
+    try:  # LeetCode style: a method of a fresh instance of the class, if defined
+      call = getattr(cls(), job['fn']) if fn is None else fn
+      value = call(*decode(case.get('args', [])), **decode(case.get('kwargs', {'$d': []})))
+      payload = _dumps({'value': json.dumps(encode(value), allow_nan=False)})
+    except SystemExit as e:
+      payload = _dumps({'error': f'SystemExit: {e.code!r:.100}'})
+    except _Unencodable as e:
+      payload = _dumps({'bad_return': str(e)})
+    except BaseException as e:
+      payload = _dumps({'error': _short(e)})
+    _write_all(result_w, (payload + '\n').encode('utf-8', errors='replace'))
   os._exit(0)
 
 
@@ -275,7 +308,45 @@ def _kill(pid):
       pass
 
 
+def _slow(status, cpu, cpu_s):
+  """Whether a process that ended with wait `status` after `cpu` seconds hit its CPU limit."""
+  sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+  return sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= int(cpu_s) - 0.05)
+
+
+def _ended(pid, cpu_s):
+  """Kills `pid`'s group and reaps it: (wait status, whether it hit its CPU limit)."""
+  _kill(pid)
+  _, status, usage = os.wait4(pid, 0)
+  return status, _slow(status, usage.ru_utime + usage.ru_stime, cpu_s)
+
+
+def _died(status, slow, wall):
+  """The result of a case whose process ended without a result."""
+  if os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    return {'status': 'timeout' if slow else 'crash', 'signal': sig, 'wall': wall}
+  return {'status': 'error', 'error': f'no result (exit {os.WEXITSTATUS(status)})', 'wall': wall}
+
+
+def _result(job, data, wall):
+  """A case's result from the line its process wrote."""
+  try:
+    report = json.loads(data.decode('utf-8'))
+    ((key, body),) = report.items()
+  except Exception:
+    return {'status': 'error', 'error': 'an unreadable result', 'wall': wall}
+  if key == 'value' and isinstance(body, str):
+    return {'status': 'ok', 'value': body, 'wall': wall}
+  if key == 'ok':
+    return {'status': 'ok' if body == job['token'] else 'error', 'wall': wall}
+  if key == 'bad_return':
+    return {'status': 'bad_return', 'error': str(body)[:300], 'wall': wall}
+  return {'status': 'error', 'error': str(body)[:300], 'wall': wall}
+
+
 def run_case(code, job, case, devnull, max_fd, scratch):
+  """A stdin or asserts case in a fresh child of its own."""
   t0 = time.monotonic()
   input_fd = None
   if job['mode'] == 'stdin':
@@ -288,7 +359,7 @@ def run_case(code, job, case, devnull, max_fd, scratch):
   r, w = os.pipe()
   pid = os.fork()
   if pid == 0:
-    _child(code, job, case, w, devnull, input_fd, max_fd)
+    _child(code, job, w, devnull, input_fd, max_fd)
   try:
     os.setpgid(pid, pid)
   except OSError:
@@ -300,35 +371,92 @@ def run_case(code, job, case, devnull, max_fd, scratch):
     how, data, status = _read_until(r, pid, float(job['case_wall_s']), int(job['max_output_bytes']))
   finally:
     os.close(r)
-    _kill(pid)
   if status is None:
-    _, code, usage = os.wait4(pid, 0)
-    status = (code, usage.ru_utime + usage.ru_stime)
-  status, cpu = status
+    status, slow = _ended(pid, job['case_cpu_s'])
+  else:
+    _kill(pid)  # its descendants
+    status, slow = status[0], _slow(*status, job['case_cpu_s'])
   wall = round(time.monotonic() - t0, 4)
   if how != 'done':
     return {'status': how, 'wall': wall}
   if os.WIFSIGNALED(status):
-    sig = os.WTERMSIG(status)
-    slow = sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= int(job['case_cpu_s']) - 0.05)
-    return {'status': 'timeout' if slow else 'crash', 'signal': sig, 'wall': wall}
-  exit_code = os.WEXITSTATUS(status)
+    return _died(status, slow, wall)
   if job['mode'] == 'stdin':
-    result = {'status': 'ok' if exit_code == 0 else 'error', 'wall': wall}
+    result = {'status': 'ok' if os.WEXITSTATUS(status) == 0 else 'error', 'wall': wall}
     result['stdout'] = data.decode('utf-8', errors='replace')
     return result
-  try:
-    report = json.loads(data.decode('utf-8'))
-    ((key, body),) = report.items()
-  except Exception:
-    return {'status': 'error', 'error': f'no result (exit {exit_code})', 'wall': wall}
-  if key == 'value' and isinstance(body, str):
-    return {'status': 'ok', 'value': body, 'wall': wall}
-  if key == 'ok':
-    return {'status': 'ok' if body == job['token'] else 'error', 'wall': wall}
-  if key == 'bad_return':
-    return {'status': 'bad_return', 'error': str(body)[:300], 'wall': wall}
-  return {'status': 'error', 'error': str(body)[:300], 'wall': wall}
+  if not data:
+    return _died(status, slow, wall)
+  return _result(job, data, wall)
+
+
+def _read_line(fd, buf, wall_s, cap):
+  """('line', line, rest) | ('eof' | 'timeout' | 'output_limit', None, buf):
+  the next line of `fd` after `buf` (bytes already read) within `wall_s`."""
+  stop = time.monotonic() + wall_s
+  while True:
+    end = buf.find(b'\n')
+    if end >= 0:
+      if end > cap:
+        return 'output_limit', None, buf
+      return 'line', buf[:end], buf[end + 1 :]
+    if len(buf) > cap:
+      return 'output_limit', None, buf
+    left = stop - time.monotonic()
+    if left <= 0:
+      return 'timeout', None, buf
+    if select.select([fd], [], [], left)[0]:
+      chunk = os.read(fd, 65536)
+      if not chunk:
+        return 'eof', None, buf
+      buf += chunk
+
+
+def run_calls(code, job, devnull, max_fd, deadline, report):
+  """Call-mode cases: one child runs them one after another (each call on a
+  fresh instance, for a class), each under its own wall limit; a case that
+  times out, crashes or exceeds the output cap ends that child, and a fresh
+  one runs the cases after it. `job['fresh_process_per_case']`: a child per
+  case. Cases that would start with less than their limit left before
+  `deadline` are 'not_run'."""
+  cases = job['cases']
+  wall_s, cap = float(job['case_wall_s']), int(job['max_output_bytes'])
+  i = 0
+  while i < len(cases):
+    if time.monotonic() + wall_s > deadline:
+      report(i, {'status': 'not_run'})
+      i += 1
+      continue
+    batch = 1 if job.get('fresh_process_per_case') else len(cases) - i
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+      _call_child(code, job, cases[i : i + batch], w, devnull, max_fd)
+    try:
+      os.setpgid(pid, pid)
+    except OSError:
+      pass
+    os.close(w)
+    buf, end = b'', i + batch
+    try:
+      while i < end:
+        t0 = time.monotonic()
+        how, line, buf = _read_line(r, buf, wall_s, cap)
+        wall = round(time.monotonic() - t0, 4)
+        if how != 'line':
+          status, slow = _ended(pid, job['case_cpu_s'])
+          pid = None
+          report(i, {'status': how, 'wall': wall} if how != 'eof' else _died(status, slow, wall))
+          i += 1
+          break
+        report(i, _result(job, line, wall))
+        i += 1
+        if i < end and time.monotonic() + wall_s > deadline:
+          break  # the rest are not run
+    finally:
+      os.close(r)
+      if pid is not None:
+        _ended(pid, job['case_cpu_s'])
 
 
 def main():
@@ -363,11 +491,14 @@ def main():
       report(i, {'status': 'error', 'error': _short(e), 'wall': 0.0})
   else:
     scratch = os.path.join(os.getcwd(), '.case_input')
-    for i, case in enumerate(job['cases']):
-      if time.monotonic() + float(job['case_wall_s']) > deadline:
-        report(i, {'status': 'not_run'})
-      else:
-        report(i, run_case(code, job, case, devnull, max_fd, scratch))
+    if job['mode'] == 'call':
+      run_calls(code, job, devnull, max_fd, deadline, report)
+    else:
+      for i, case in enumerate(job['cases']):
+        if time.monotonic() + float(job['case_wall_s']) > deadline:
+          report(i, {'status': 'not_run'})
+        else:
+          report(i, run_case(code, job, case, devnull, max_fd, scratch))
   os.write(out, json.dumps({'done': len(job['cases'])}).encode('utf-8') + b'\n')
 
 

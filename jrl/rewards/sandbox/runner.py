@@ -45,6 +45,49 @@ def pick_uid(plan):
   return lo + int.from_bytes(os.urandom(4), 'little') % span
 
 
+def to_bytes(text):
+  return text if isinstance(text, bytes) else text.encode('utf-8', 'surrogatepass')
+
+
+def program_config(plan, workdir, uid, limits, cgroup):
+  """The part of the launcher's config that says how the program runs: its
+  command, environment, uid, namespaces, limits."""
+  mem = int(limits.memory_bytes)
+  cpu = max(1, int(limits.cpu_seconds))
+  flags = launcher.CLONE_NEWUSER if plan['user_namespace'] else 0
+  for key, flag in [
+    ('network_namespace', launcher.CLONE_NEWNET),
+    ('pid_namespace', launcher.CLONE_NEWPID),
+    ('ipc_namespace', launcher.CLONE_NEWIPC),
+  ]:
+    if plan[key]:
+      flags |= flag
+  return {
+    'workdir': workdir,
+    'argv': [sys.executable, '-I', os.path.join(workdir, 'main.py')],
+    'env': minimal_env(workdir),
+    'uid': uid,
+    'unshare': flags,
+    'watchdog_bytes': mem if private_proc(plan) and cgroup is None else 0,
+    'disk_bytes': int(limits.max_disk_bytes),
+    'hard_deadline': float(limits.wall_seconds) + 2.0,
+    'nproc_counts_user': uid is None and not plan['user_namespace'],
+    'rlimits': [
+      (resource.RLIMIT_CORE, 0, 0),
+      (resource.RLIMIT_CPU, cpu, cpu + 1),
+      (resource.RLIMIT_AS, mem, mem),
+      (resource.RLIMIT_NPROC, int(limits.max_processes), int(limits.max_processes)),
+      (resource.RLIMIT_FSIZE, int(limits.max_file_bytes), int(limits.max_file_bytes)),
+      (resource.RLIMIT_NOFILE, int(limits.max_open_files), int(limits.max_open_files)),
+    ],
+  }
+
+
+def check_file_name(name):
+  if os.path.basename(name) != name or name in ('main.py', 'tmp', '', '.', '..'):
+    raise ValueError(f'a sandbox file is named by a plain file name, not {name!r}')
+
+
 def run(plan, source, stdin, limits, t0, files=None):
   """Runs `source` once under `plan` (see `plan.make_plan`); raises if the sandbox
   fails before the program runs. `t0`: the caller's time.monotonic() at the start;
@@ -58,8 +101,7 @@ def run(plan, source, stdin, limits, t0, files=None):
     with open(main, 'w', encoding='utf-8', errors='surrogatepass') as f:
       f.write(source)
     for name, text in (files or {}).items():
-      if os.path.basename(name) != name or name in ('main.py', 'tmp', '', '.', '..'):
-        raise ValueError(f'a sandbox file is named by a plain file name, not {name!r}')
+      check_file_name(name)
       written.append(os.path.join(workdir, name))
       with open(written[-1], 'w', encoding='utf-8', errors='surrogatepass') as f:
         f.write(text)
@@ -67,48 +109,22 @@ def run(plan, source, stdin, limits, t0, files=None):
     if uid is not None and not plan['mount_namespace']:
       for p in (workdir, *written, os.path.join(workdir, 'tmp')):
         os.chown(p, uid, uid)
-    mem = int(limits.memory_bytes)
-    cpu = max(1, int(limits.cpu_seconds))
-    flags = launcher.CLONE_NEWUSER if plan['user_namespace'] else 0
-    for key, flag in [
-      ('network_namespace', launcher.CLONE_NEWNET),
-      ('pid_namespace', launcher.CLONE_NEWPID),
-      ('ipc_namespace', launcher.CLONE_NEWIPC),
-    ]:
-      if plan[key]:
-        flags |= flag
     if plan['_cgroup']:
       cgroup = Cgroup(plan['_cgroup'], limits)
     own_proc = private_proc(plan)
     status_r, status_w = os.pipe()
-    config = {
-      'parent_pid': os.getpid(),
-      'status_fd': status_w,
-      'workdir': workdir,
-      'argv': [sys.executable, '-I', main],
-      'env': minimal_env(workdir),
-      'uid': uid,
-      'unshare': flags,
-      'userns': plan['user_namespace'],
-      'mount': plan['mount_namespace'],
-      'root': root_spec(workdir) if plan['mount_namespace'] else None,
-      'proc_options': plan['_proc_options'] if own_proc else None,
-      'cgroup_procs': cgroup.procs if cgroup else [],
-      'cgroup_dirs': cgroup.dirs if cgroup else [],
-      'watchdog_bytes': mem if own_proc and cgroup is None else 0,
-      'disk_bytes': int(limits.max_disk_bytes),
-      'sweep': uid is not None and not plan['pid_namespace'],
-      'hard_deadline': float(limits.wall_seconds) + 2.0,
-      'nproc_counts_user': uid is None and not plan['user_namespace'],
-      'rlimits': [
-        (resource.RLIMIT_CORE, 0, 0),
-        (resource.RLIMIT_CPU, cpu, cpu + 1),
-        (resource.RLIMIT_AS, mem, mem),
-        (resource.RLIMIT_NPROC, int(limits.max_processes), int(limits.max_processes)),
-        (resource.RLIMIT_FSIZE, int(limits.max_file_bytes), int(limits.max_file_bytes)),
-        (resource.RLIMIT_NOFILE, int(limits.max_open_files), int(limits.max_open_files)),
-      ],
-    }
+    config = dict(
+      program_config(plan, workdir, uid, limits, cgroup),
+      parent_pid=os.getpid(),
+      status_fd=status_w,
+      userns=plan['user_namespace'],
+      mount=plan['mount_namespace'],
+      root=root_spec(workdir) if plan['mount_namespace'] else None,
+      proc_options=plan['_proc_options'] if own_proc else None,
+      cgroup_procs=cgroup.procs if cgroup else [],
+      cgroup_dirs=cgroup.dirs if cgroup else [],
+      sweep=uid is not None and not plan['pid_namespace'],
+    )
     config_r, config_w = os.pipe()
     try:
       os.write(config_w, json.dumps(config).encode())  # far below a pipe's buffer
@@ -126,8 +142,9 @@ def run(plan, source, stdin, limits, t0, files=None):
     finally:
       os.close(status_w)
       os.close(config_r)
-    stdin_bytes = stdin if isinstance(stdin, bytes) else stdin.encode('utf-8', 'surrogatepass')
-    out, err, status, reason = _pump(proc, status_r, stdin_bytes, limits, t0)
+    inputs = [(proc.stdin, to_bytes(stdin))]
+    fds = proc.stdout.fileno(), proc.stderr.fileno(), status_r
+    out, err, status, reason = pump(*fds, inputs, limits, t0)
   finally:
     if proc is not None:
       _kill_group(proc)
@@ -148,22 +165,26 @@ def run(plan, source, stdin, limits, t0, files=None):
   return classify(status, reason, proc.returncode, stdout, stderr, limits, wall, oom_kills)
 
 
-def _pump(proc, status_r, stdin_bytes, limits, t0):
-  """Feeds stdin and reads stdout, stderr and the status pipe until the
-  launcher is done, the wall-clock limit passes, or an output cap is hit."""
+def pump(fd_out, fd_err, status_r, inputs, limits, t0):
+  """Feeds `inputs` ([(file object or fd, bytes)], each closed once written)
+  and reads stdout, stderr and the status pipe until the status pipe closes,
+  the wall-clock limit passes, or an output cap is hit. Returns (stdout,
+  stderr, status, reason: None | 'timeout' | 'output_limit')."""
   cap = int(limits.max_output_bytes)
   sel = selectors.DefaultSelector()
-  fd_out, fd_err, fd_in = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
   bufs = {fd_out: bytearray(), fd_err: bytearray(), status_r: bytearray()}
   for fd in bufs:
     os.set_blocking(fd, False)
     sel.register(fd, selectors.EVENT_READ)
-  pos = 0
-  if stdin_bytes:
-    os.set_blocking(fd_in, False)
-    sel.register(fd_in, selectors.EVENT_WRITE)
-  else:
-    proc.stdin.close()
+  writers = {}  # fd -> [stream, data, position]
+  for stream, data in inputs:
+    if data:
+      fd = stream if isinstance(stream, int) else stream.fileno()
+      os.set_blocking(fd, False)
+      sel.register(fd, selectors.EVENT_WRITE)
+      writers[fd] = [stream, data, 0]
+    else:
+      _close(stream)
   deadline = t0 + float(limits.wall_seconds)
   reason, done_at = None, None
   try:
@@ -177,16 +198,18 @@ def _pump(proc, status_r, stdin_bytes, limits, t0):
       wait = deadline - now if done_at is None else min(deadline - now, 0.1)
       for key, _ in sel.select(wait):
         fd = key.fd
-        if fd == fd_in:
+        if fd in writers:
+          stream, data, pos = writers[fd]
           try:
-            pos += os.write(fd, stdin_bytes[pos : pos + 65536])
+            pos += os.write(fd, data[pos : pos + 65536])
           except BlockingIOError:
             continue
           except OSError:  # the program closed stdin or exited
-            pos = len(stdin_bytes)
-          if pos >= len(stdin_bytes):
+            pos = len(data)
+          writers[fd][2] = pos
+          if pos >= len(data):
             sel.unregister(fd)
-            _close(proc.stdin)
+            _close(writers.pop(fd)[0])
           continue
         try:
           chunk = os.read(fd, 65536)
@@ -205,13 +228,17 @@ def _pump(proc, status_r, stdin_bytes, limits, t0):
           break
   finally:
     sel.close()
-    _close(proc.stdin)
+    for stream, _, _ in writers.values():
+      _close(stream)
   return bytes(bufs[fd_out]), bytes(bufs[fd_err]), bytes(bufs[status_r]), reason
 
 
 def _close(stream):
   try:
-    stream.close()
+    if isinstance(stream, int):
+      os.close(stream)
+    else:
+      stream.close()
   except OSError:
     pass
 

@@ -18,6 +18,9 @@ leaves the host's filesystem for the new root.
       program joins the cgroup, sets rlimits, drops to the sandbox uid,
               sets no_new_privs and execs Python.
 
+`--zygote` runs the warm launcher instead (zygote.py): the new root built
+once, then a run forked per request, each with the same init and program.
+
 See README.md in the sandbox package for what each mechanism guarantees.
 """
 
@@ -27,10 +30,12 @@ from .linux import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_
 from .new_root import enter_new_root, proc_mount_options, setup_filesystem
 from .probe import probe, uid_range
 from .process import launch, read_config, remove_tree, sweep
+from .zygote import serve
 
 
 def main(argv):
-  """The command line: --probe | --sweep UID | --config-fd FD. Returns the exit code."""
+  """The command line: --probe | --sweep UID | --config-fd FD | --zygote FD SOCKET_FD.
+  Returns the exit code."""
   if argv[:1] == ['--probe']:
     return probe()
   if argv[:1] == ['--sweep']:
@@ -38,5 +43,10 @@ def main(argv):
     return 0
   if argv[:1] == ['--config-fd']:
     return launch(read_config(int(argv[1])))
-  print(f'usage: {sys.argv[0]} --probe | --sweep UID | --config-fd FD', file=sys.stderr)
+  if argv[:1] == ['--zygote']:
+    return serve(read_config(int(argv[1])), int(argv[2]))
+  print(
+    f'usage: {sys.argv[0]} --probe | --sweep UID | --config-fd FD | --zygote FD SOCKET_FD',
+    file=sys.stderr,
+  )
   return 2

@@ -102,8 +102,8 @@ def proc_mount_options(lib):
 
 def setup_filesystem(lib, config):
   """In init, in a new mount namespace: the new root, then the writable tmpfs
-  workdir (same path as the caller's, a disk quota of `disk_bytes`) and a
-  tiny private /dev/shm."""
+  workdir (`mount_workdir`) holding the files the caller left in the host's
+  workdir."""
   workdir = config['workdir']
   files = {}  # main.py and the files the caller put beside it
   for name in sorted(os.listdir(workdir)):
@@ -112,6 +112,14 @@ def setup_filesystem(lib, config):
       with open(path, 'rb') as f:
         files[name] = f.read()
   enter_new_root(lib, workdir, config['root'], config['proc_options'])
+  mount_workdir(lib, config, files)
+
+
+def mount_workdir(lib, config, files):
+  """On the new root: a writable tmpfs workdir at `config['workdir']` (a disk
+  quota of `disk_bytes`) holding `files` ({plain name: bytes}) and an empty
+  tmp/, and a tiny private /dev/shm."""
+  workdir = config['workdir']
   uid = config['uid'] if config['uid'] is not None else os.getuid()
   size, inodes = config['disk_bytes'], max(64, config['disk_bytes'] // 4096)
   opts = f'size={size},nr_inodes={inodes},mode=0700'
@@ -119,9 +127,12 @@ def setup_filesystem(lib, config):
     opts += f',uid={uid},gid={uid}'
   mount(lib, 'tmpfs', workdir, 'tmpfs', MS_NOSUID | MS_NODEV, opts)
   mount(lib, 'tmpfs', '/dev/shm', 'tmpfs', MS_NOSUID | MS_NODEV, 'size=1m,nr_inodes=64,mode=1777')
-  paths = [os.path.join(workdir, name) for name in files]
-  for path, data in zip(paths, files.values(), strict=True):
-    with open(path, 'wb') as f:
+  paths = []
+  for name, data in files.items():
+    if os.path.basename(name) != name or name in ('', '.', '..', 'tmp'):
+      raise ValueError(f'a sandbox file is named by a plain file name, not {name!r}')
+    paths.append(os.path.join(workdir, name))
+    with open(paths[-1], 'wb') as f:
       f.write(data)
   os.mkdir(os.path.join(workdir, 'tmp'))
   if config['uid'] is not None:

@@ -8,25 +8,32 @@ import os
 import resource
 import shutil
 import signal
+import sys
 import time
 
 from .linux import (
   CLONE_NEWNS,
+  MS_NODEV,
+  MS_NOEXEC,
+  MS_NOSUID,
   PR_SET_NO_NEW_PRIVS,
   PR_SET_PDEATHSIG,
   libc,
+  mount,
   prctl,
   report,
   unshare,
   write_maps,
 )
-from .new_root import setup_filesystem
+from .new_root import mount_workdir, setup_filesystem
 
 WATCHDOG_PERIOD_S = 0.02  # no cgroup: how often init sums the memory of the sandbox
 
 
-def exec_program(lib, config, cgroup_fds):
-  """The program's process: cgroup, limits, privileges, exec. Never returns."""
+def exec_program(lib, config, cgroup_fds, entry=None):
+  """The program's process: cgroup, limits, privileges, then exec, or (zygote
+  runs) `entry()`, the driver already loaded in this interpreter, with only
+  stdin, stdout and stderr open. Never returns."""
   try:
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGALRM, signal.SIGTERM):
       signal.signal(sig, signal.SIG_DFL)
@@ -50,11 +57,42 @@ def exec_program(lib, config, cgroup_fds):
     prctl(lib, PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     os.chdir(config['workdir'])
     os.umask(0o077)
-    argv = config['argv']
-    os.execve(argv[0], argv, config['env'])
+    if entry is None:
+      if config.get('close_fds'):  # a zygote run: received descriptors are inheritable
+        _close_fds_but(0, 1, 2, config['status_fd'])
+      argv = config['argv']
+      os.execve(argv[0], argv, config['env'])
   except BaseException as e:
     report(config['status_fd'], setup_error=f'{type(e).__name__}: {e}')
-  os._exit(127)
+    os._exit(127)
+  run_entry(entry, config)
+
+
+def _close_fds_but(*keep):
+  top = max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], max(keep) + 1)
+  low = 0
+  for fd in [*sorted(keep), max(top, 1 << 16)]:
+    if low < fd:  # closerange(n, n) would close every fd from n (close_range(n, n - 1))
+      os.closerange(low, fd)
+    low = fd + 1
+
+
+def run_entry(entry, config):
+  """Runs `entry()` as the program (after the privileges are gone), with only
+  fds 0-2 open and the program's environment. Never returns."""
+  code = 1
+  try:
+    _close_fds_but(0, 1, 2)  # the status pipe too: nothing it could forge a report on
+    os.environ.clear()
+    os.environ.update(config['env'])
+    sys.argv = [os.path.join(config['workdir'], 'main.py')]
+    entry()
+    code = 0
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else 1
+  except BaseException:
+    code = 1
+  os._exit(code)
 
 
 def tasks_of(uid):
@@ -86,18 +124,27 @@ def sandbox_rss():
   return total
 
 
-def init(lib, config, cgroup_fds):
-  """PID 1 of the sandbox: forks the program, reaps everything, reports. Never returns."""
+def init(lib, config, cgroup_fds, files=None, entry=None):
+  """PID 1 of the sandbox: forks the program, reaps everything, reports. Never
+  returns. `files` ({name: bytes}): a zygote run, already inside the new root,
+  whose workdir and /proc this init mounts; `entry`: see `exec_program`."""
   fd = config['status_fd']
   try:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # PID 1 ignores signals it has no handler for
     prctl(lib, PR_SET_PDEATHSIG, signal.SIGKILL)
-    if config['mount']:
+    if files is not None:
+      unshare(lib, CLONE_NEWNS)  # a copy of the zygote's new root
+      mount_workdir(lib, config, files)
+      if config['proc_options'] is not None:
+        mount(
+          lib, 'proc', '/proc', 'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC, config['proc_options']
+        )
+    elif config['mount']:
       unshare(lib, CLONE_NEWNS)
       setup_filesystem(lib, config)
     pid = os.fork()
     if pid == 0:
-      exec_program(lib, config, cgroup_fds)
+      exec_program(lib, config, cgroup_fds, entry)
     for cg in cgroup_fds:
       os.close(cg)
     watch = config['watchdog_bytes']
