@@ -28,8 +28,8 @@ import pytest
 
 from jrl.rewards import code, sandbox
 from jrl.rewards.base import get_reward_fn
+from jrl.rewards.sandbox import launcher, rootfs
 from jrl.rewards.sandbox import plan as sandbox_plan
-from jrl.rewards.sandbox import rootfs
 from jrl.rewards.service import RewardService
 
 CAPS = sandbox.capabilities()
@@ -373,6 +373,34 @@ try:
 except OSError as e:
   print('blocked dns', type(e).__name__, flush=True)
 """
+
+
+SOCKETS = """
+import ctypes, errno, socket
+got = []
+for family, kind in [(socket.AF_VSOCK, socket.SOCK_STREAM), (socket.AF_NETLINK, socket.SOCK_RAW),
+                     (socket.AF_INET, socket.SOCK_STREAM), (socket.AF_UNIX, socket.SOCK_STREAM)]:
+  try:
+    socket.socket(family, kind).close()
+    got.append('made')
+  except OSError as e:
+    got.append(errno.errorcode[e.errno])
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)
+ring = libc.syscall(425, 4, params)  # io_uring_setup (425 on x86_64 and aarch64)
+got.append('made' if ring >= 0 else errno.errorcode[ctypes.get_errno()])
+print(*got)
+"""
+
+
+def test_vsock_netlink_and_io_uring_are_refused():
+  """vsock reaches a VM's host whatever the network namespace; io_uring makes sockets
+  without socket(): a seccomp filter refuses them (x86_64 and aarch64)."""
+  if launcher.linux.socket_filter() is None:
+    pytest.skip(f'no seccomp socket filter for {os.uname().machine}: documented')
+  result, _ = run(SOCKETS)
+  assert result.status == 'ok', result
+  assert result.stdout.split() == ['EAFNOSUPPORT', 'EAFNOSUPPORT', 'made', 'made', 'ENOSYS']
 
 
 def test_network_is_unreachable():

@@ -93,3 +93,62 @@ def pivot_root(lib, new_root, put_old):
     ctypes.c_long(number), ctypes.c_char_p(new_root.encode()), ctypes.c_char_p(put_old.encode())
   )
   check(ret, f'pivot_root({new_root})')
+
+
+# seccomp (<linux/seccomp.h>, <linux/filter.h>, <linux/audit.h>): the program
+# may not create AF_VSOCK sockets (no network namespace confines them) or
+# AF_NETLINK ones, nor set up io_uring (which creates sockets without the
+# socket() call); other architectures' system call conventions get ENOSYS.
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+_ENOSYS, _EAFNOSUPPORT = 38, 97
+AF_NETLINK, AF_VSOCK = 16, 40
+# machine -> (AUDIT_ARCH, socket, io_uring_setup); little-endian only (args[0] at offset 16)
+SECCOMP_ARCH = {'x86_64': (0xC000003E, 41, 425), 'aarch64': (0xC00000B7, 198, 425)}
+
+
+class _SockFilter(ctypes.Structure):
+  _fields_ = [('code', ctypes.c_uint16), ('jt', ctypes.c_uint8), ('jf', ctypes.c_uint8),
+              ('k', ctypes.c_uint32)]  # fmt: skip
+
+
+class _SockFprog(ctypes.Structure):
+  _fields_ = [('len', ctypes.c_uint16), ('filter', ctypes.POINTER(_SockFilter))]
+
+
+def socket_filter():
+  """The BPF program (a list of (code, jt, jf, k)) or None on an unknown architecture."""
+  arch = SECCOMP_ARCH.get(os.uname().machine)
+  if arch is None:
+    return None
+  audit_arch, nr_socket, nr_io_uring_setup = arch
+  return [
+    (_LD_ABS, 0, 0, 4),  # 0: the architecture
+    (_JEQ, 1, 0, audit_arch),  # 1: ours -> 3
+    (_RET, 0, 0, _RET_ERRNO | _ENOSYS),  # 2: another convention (e.g. int 0x80)
+    (_LD_ABS, 0, 0, 0),  # 3: the system call number
+    (_JGE, 0, 1, 0x40000000),  # 4: the x32 ABI -> 5
+    (_RET, 0, 0, _RET_ERRNO | _ENOSYS),  # 5
+    (_JEQ, 0, 1, nr_io_uring_setup),  # 6 -> 7
+    (_RET, 0, 0, _RET_ERRNO | _ENOSYS),  # 7
+    (_JEQ, 0, 3, nr_socket),  # 8: socket() -> 9, else -> 12
+    (_LD_ABS, 0, 0, 16),  # 9: its domain (args[0], low half)
+    (_JEQ, 2, 0, AF_VSOCK),  # 10 -> 13
+    (_JEQ, 1, 0, AF_NETLINK),  # 11 -> 13
+    (_RET, 0, 0, _RET_ALLOW),  # 12
+    (_RET, 0, 0, _RET_ERRNO | _EAFNOSUPPORT),  # 13
+  ]
+
+
+def refuse_sockets(lib):
+  """Installs `socket_filter` on this process and its children (after
+  PR_SET_NO_NEW_PRIVS); False on an unknown architecture."""
+  program = socket_filter()
+  if program is None:
+    return False
+  filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
+  fprog = _SockFprog(len(program), filters)
+  ret = lib.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0)
+  check(ret, 'prctl(PR_SET_SECCOMP)')
+  return True

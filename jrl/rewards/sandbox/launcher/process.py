@@ -21,6 +21,7 @@ from .linux import (
   libc,
   mount,
   prctl,
+  refuse_sockets,
   report,
   unshare,
   write_maps,
@@ -54,6 +55,7 @@ def exec_program(lib, config, cgroup_fds, entry=None):
       os.setgid(uid)
       os.setuid(uid)
     prctl(lib, PR_SET_NO_NEW_PRIVS, 1)
+    refuse_sockets(lib)  # vsock, netlink, io_uring (see linux.socket_filter)
     prctl(lib, PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     os.chdir(config['workdir'])
     os.umask(0o077)
