@@ -205,6 +205,10 @@ def checkpoint_section():
   s.every = 20  # iterations between checkpoints
   s.keep = 3  # checkpoints kept
   s.async_save = True
+  # Restore steps that have no checksum manifest (saved before checksums, or the run
+  # was killed before writing it) unverified; off: they are refused and a restart
+  # resumes from the newest verified step (jrl/checkpoint.py)
+  s.allow_unverified = False
   return s
 
 

@@ -20,7 +20,8 @@ of every other file in it.
   save. The files are hashed as they are on disk, after Orbax wrote its last
   byte, so the manifest describes exactly what a restore will read. A run
   killed between the end of a save and its manifest leaves a step without
-  one; it restores like a step from before checksums (below).
+  one; it is refused like a step from before checksums (below), and the
+  restart resumes from the step before.
 * Who. Only process 0 hashes and writes manifests (the step directory is
   shared by all processes); it writes to a temporary name and renames, so a
   manifest is whole or absent. On restore every process verifies the whole
@@ -33,7 +34,11 @@ of every other file in it.
   listed file that is missing, of another size or with another hash raises
   `CheckpointError` naming the step directory and the file. Files that are
   not listed are ignored. A step without a manifest (saved before
-  checksums) restores unverified, with a printed note.
+  checksums, or killed before its manifest) cannot be verified, so it is
+  refused (`UnverifiedCheckpointError`, naming the step directory and the
+  switch) unless the Checkpointer was made with `allow_unverified=True`
+  (config `checkpoint.allow_unverified`); then it restores with a printed
+  note.
 * Values. Every floating-point leaf of the restored state is checked for NaN
   and infinity (a jitted reduction over the global arrays, so the answer is
   the same on every process); a non-finite leaf raises `CheckpointError`
@@ -46,9 +51,10 @@ of every other file in it.
   a post-mortem; Orbax would otherwise refuse to save those steps again).
   When none is intact it raises, naming the directory and every step's
   problem, and moves nothing. An empty directory gives `(None, None, None)`:
-  start fresh. Steps without a manifest are verified by Orbax's own reads
-  only; on several hosts those reads may fail on some processes and not on
-  others, which the manifest rules out.
+  start fresh. A step without a manifest counts as not intact unless
+  `allow_unverified`; then it is checked by Orbax's own reads only, which on
+  several hosts may fail on some processes and not on others (the manifest
+  rules that out).
 """
 
 import hashlib
@@ -68,6 +74,10 @@ _CHUNK = 1 << 20  # bytes read at a time while hashing
 
 class CheckpointError(ValueError):
   """A checkpoint that cannot be restored as saved: damaged files, values or layout."""
+
+
+class UnverifiedCheckpointError(CheckpointError):
+  """A checkpoint without a checksum manifest, refused (`allow_unverified` is off)."""
 
 
 def _sha256(path):
@@ -182,7 +192,15 @@ def check_finite(tree, where):
 class Checkpointer:
   """Saves and restores (state pytree, meta dict) pairs by step."""
 
-  def __init__(self, directory, *, keep=3, async_save=True):
+  def __init__(self, directory, *, keep=3, async_save=True, allow_unverified=False):
+    """
+    Args:
+      directory: holds one directory per step.
+      keep: checkpoints kept (`checkpoint.keep`).
+      async_save: saves return while Orbax writes (`checkpoint.async_save`).
+      allow_unverified: restore steps that have no checksum manifest, unverified
+        (`checkpoint.allow_unverified`); refused otherwise.
+    """
     if keep < 1:
       raise ValueError(f'`checkpoint.keep` must be >= 1, got {keep}.')
     self.directory = os.path.abspath(directory)
@@ -192,6 +210,7 @@ class Checkpointer:
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._async = async_save
+    self.allow_unverified = bool(allow_unverified)
     self._unsealed = []  # steps saved by this process whose manifest is not written yet
     self._is_writer = jax.process_index() == 0
 
@@ -258,23 +277,45 @@ class Checkpointer:
       return f'The last checkpoint is damaged: {e} A restart resumes from the newest intact one.'
     if verified:
       return f'The last checkpoint, {path}, passes its checksums.'
-    return f'The last checkpoint, {path}, has no checksums ({MANIFEST}) to verify.'
+    skipped = '' if self.allow_unverified else ' (a restart skips it: checkpoint.allow_unverified)'
+    return f'The last checkpoint, {path}, has no checksums ({MANIFEST}) to verify{skipped}.'
+
+  def _verify_or_refuse(self, step):
+    """Verifies `step` before a restore; one without a manifest is refused
+    unless `allow_unverified`."""
+    path = self.step_dir(step)
+    if self.verify(step):
+      return
+    if not self.allow_unverified:
+      raise UnverifiedCheckpointError(
+        f'{path}: no checksum manifest ({MANIFEST}), so its files cannot be verified (saved '
+        'before checksums, or the run stopped before writing it); set '
+        '`checkpoint.allow_unverified=True` (Checkpointer(allow_unverified=True)) to restore '
+        'it unverified.'
+      )
+    if self._is_writer:
+      print(
+        f'note: {path} has no checksums ({MANIFEST}); restoring it unverified '
+        '(checkpoint.allow_unverified).',
+        flush=True,
+      )
 
   def restore(self, step, abstract_state):
     """(state, meta) of checkpoint `step`, laid out like `abstract_state`.
 
-    The files are verified against their checksums first and the state's
+    The files are verified against their checksums first (a step without
+    them is refused unless `allow_unverified`) and the state's
     floating-point leaves must be finite (module docstring).
 
     Raises:
       FileNotFoundError naming the checkpoint directory when there is no such step;
-      CheckpointError naming it (and the file or leaf) when it cannot be restored.
+      CheckpointError naming it (and the file or leaf) when it cannot be restored;
+      UnverifiedCheckpointError naming it and the switch when it has no checksums.
     """
     path = self.step_dir(step)
     if step not in self._manager.all_steps():
       raise FileNotFoundError(f'{path}: no such checkpoint (have {self._manager.all_steps()}).')
-    if not self.verify(step) and self._is_writer:
-      print(f'note: {path} has no checksums ({MANIFEST}); restoring it unverified.', flush=True)
+    self._verify_or_refuse(step)
     try:
       restored = self._manager.restore(
         int(step),
@@ -290,8 +331,9 @@ class Checkpointer:
   def restore_latest_intact(self, abstract_state):
     """(step, state, meta) of the newest checkpoint that restores intact.
 
-    Damaged steps, newest first, are skipped with a printed warning naming
-    the step and the cause, then moved to `<directory>.damaged/`.
+    Damaged steps (and, unless `allow_unverified`, steps without checksums),
+    newest first, are skipped with a printed warning naming the step and the
+    cause, then moved to `<directory>.damaged/`.
     `(None, None, None)` when there is no checkpoint.
 
     Raises:
@@ -305,14 +347,15 @@ class Checkpointer:
       except CheckpointError as e:
         problems.append((step, str(e)))
         if self._is_writer:
-          print(f'warning: checkpoint step {step} is damaged, skipping it: {e}', flush=True)
+          why = 'has no checksums' if isinstance(e, UnverifiedCheckpointError) else 'is damaged'
+          print(f'warning: checkpoint step {step} {why}, skipping it: {e}', flush=True)
         continue
       if problems:
         self._set_aside([s for s, _ in problems])
         if self._is_writer:
           skipped = ', '.join(str(s) for s, _ in problems)
           print(
-            f'warning: falling back to checkpoint step {step}; the damaged steps {skipped} '
+            f'warning: falling back to checkpoint step {step}; the skipped steps {skipped} '
             f'were moved to {self.directory}.damaged/.',
             flush=True,
           )
@@ -372,8 +415,7 @@ class Checkpointer:
     path = self.step_dir(step)
     if step not in self._manager.all_steps():
       raise FileNotFoundError(f'{path}: no such checkpoint (have {self._manager.all_steps()}).')
-    if not self.verify(step) and self._is_writer:
-      print(f'note: {path} has no checksums ({MANIFEST}); restoring it unverified.', flush=True)
+    self._verify_or_refuse(step)
     abstract = dict(abstract_fields)
     try:
       restored = self._manager.restore(

@@ -4,10 +4,11 @@ to the newest intact step.
 Small train states (a [64, 64] random matrix, a bias, an optax Adam state
 after one update) are saved for steps 1, 2 and 3, then files of a step are
 damaged on disk the way a bad disk or a partial copy would: 4 KiB of flipped
-bytes, a truncated file, a deleted file. The last test damages the latest
-checkpoint of a shrunken real run (`configs/grpo_arith.py`, SFT only) and
-checks that the restarted run resumes from the step before and ends where the
-uninterrupted run ended.
+bytes, a truncated file, a deleted file. Steps without a checksum manifest
+are refused unless allowed. The last test damages the latest checkpoint of a
+shrunken real run (`configs/grpo_arith.py`, SFT only) and checks that the
+restarted run resumes from the step before and ends where the uninterrupted
+run ended.
 """
 
 import os
@@ -92,8 +93,8 @@ def damage(directory, step, how):
   return rel
 
 
-def restore_latest(directory, like):
-  checkpointer = ckpt_lib.Checkpointer(directory)
+def restore_latest(directory, like, **kwargs):
+  checkpointer = ckpt_lib.Checkpointer(directory, **kwargs)
   try:
     return checkpointer.restore_latest_intact(ckpt_lib.abstract_like(like))
   finally:
@@ -203,23 +204,64 @@ def test_an_empty_directory_starts_fresh(tmp_path):
   assert restore_latest(str(tmp_path / 'checkpoints'), make_state(1)) == (None, None, None)
 
 
-def test_a_step_saved_without_checksums_still_restores(tmp_path, capsys):
+def save_without_checksums(directory, states):
   """Steps written the way jrl wrote them before checksums (no manifest)."""
-  directory = str(tmp_path / 'checkpoints')
-  states = {step: make_state(step) for step in STEPS}
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True))
   for step, state in states.items():
     items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave({'iteration': step})}
     manager.save(step, args=ocp.args.Composite(**items))
   manager.close()
+
+
+def test_a_step_without_checksums_is_refused_naming_the_step_and_the_switch(tmp_path):
+  directory = str(tmp_path / 'checkpoints')
+  states = {step: make_state(step) for step in STEPS}
+  save_without_checksums(directory, states)
   checkpointer = ckpt_lib.Checkpointer(directory)
   assert checkpointer.verify(3) is False
   assert 'has no checksums' in checkpointer.describe_latest()
+  with pytest.raises(ckpt_lib.UnverifiedCheckpointError) as info:
+    checkpointer.restore(3, ckpt_lib.abstract_like(states[3]))
+  assert str(info.value).startswith(f'{directory}/3: no checksum manifest')
+  assert 'checkpoint.allow_unverified=True' in str(info.value)
+  wanted = {'params': states[3].params}
+  with pytest.raises(ckpt_lib.UnverifiedCheckpointError, match='allow_unverified'):
+    checkpointer.restore_fields(3, ckpt_lib.abstract_like(wanted))
   checkpointer.close()
-  step, state, meta = restore_latest(directory, states[3])
+  # No step can be verified: nothing is restored, nothing is moved.
+  with pytest.raises(ckpt_lib.CheckpointError, match='no intact checkpoint') as info:
+    restore_latest(directory, states[3])
+  for step in STEPS:
+    assert f'step {step}: {directory}/{step}: no checksum manifest' in str(info.value)
+  assert sorted(os.listdir(directory), key=int) == ['1', '2', '3']
+
+
+def test_a_step_without_checksums_restores_when_allowed(tmp_path, capsys):
+  directory = str(tmp_path / 'checkpoints')
+  states = {step: make_state(step) for step in STEPS}
+  save_without_checksums(directory, states)
+  step, state, meta = restore_latest(directory, states[3], allow_unverified=True)
   assert step == 3 and meta == {'iteration': 3}
   assert_trees_equal(state, states[3])
   assert f'{directory}/3 has no checksums' in capsys.readouterr().out
+  checkpointer = ckpt_lib.Checkpointer(directory, allow_unverified=True)
+  restored = checkpointer.restore_fields(2, ckpt_lib.abstract_like({'params': states[2].params}))
+  assert_trees_equal(restored, {'params': states[2].params})
+  checkpointer.close()
+
+
+def test_a_latest_step_that_lost_its_manifest_falls_back_to_a_verified_one(saved, capsys):
+  """A run killed between the end of a save and its manifest: the step is not
+  restored unverified; the restart resumes from the step before."""
+  directory, states = saved
+  os.remove(os.path.join(directory, '3', ckpt_lib.MANIFEST))
+  step, state, meta = restore_latest(directory, states[3])
+  assert step == 2 and meta == {'iteration': 2}
+  assert_trees_equal(state, states[2])
+  out = capsys.readouterr().out
+  assert 'checkpoint step 3 has no checksums' in out and 'allow_unverified' in out
+  assert sorted(os.listdir(directory), key=int) == ['1', '2']
+  assert os.path.isdir(os.path.join(f'{directory}.damaged', '3'))
 
 
 def test_the_run_resumes_from_the_step_before_a_damaged_latest_checkpoint(tmp_path, capsys):

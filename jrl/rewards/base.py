@@ -11,8 +11,15 @@ import path (`'my_project.rewards:score'`, importable from the directory the
 run starts in or from PYTHONPATH);
 `jrl.rewards.service.RewardService` runs several of them with weights and
 keeps each one's scores for metrics.
+
+The service stops waiting for a call after `reward.timeout_s`; inside the
+call, `time_left()` says how long is left, so that a function can spend its
+own budget (`math_answer` does) instead of losing the whole chunk.
 """
 
+import contextlib
+import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -21,6 +28,27 @@ import numpy as np
 from jrl.plugins import is_import_path, load_object
 
 REGISTRY: dict[str, Callable] = {}
+_call = threading.local()  # .deadline: monotonic time the service stops waiting
+
+
+def time_left():
+  """Seconds before the reward service stops waiting for the call running in
+  this thread (its chunk's `timeout_s`, from the start of the call), never
+  below 0; None outside the service."""
+  deadline = getattr(_call, 'deadline', None)
+  return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+@contextlib.contextmanager
+def call_deadline(seconds):
+  """Sets `time_left()` to `seconds` from now inside the block (None: no deadline).
+  The reward service and its worker processes wrap each call in it."""
+  previous = getattr(_call, 'deadline', None)
+  _call.deadline = None if seconds is None else time.monotonic() + float(seconds)
+  try:
+    yield
+  finally:
+    _call.deadline = previous
 
 
 def register(name):

@@ -24,27 +24,37 @@ grammar (never `sympy.parse_expr` / `sympify`, which run Python). Every step
 is bounded: an extracted answer over `MAX_ANSWER_CHARS` is wrong; symbolic
 comparison only for answers up to `MAX_SYMBOLIC_CHARS` whose parsed tree
 passes `_within_bounds` (no exponent towers, huge factorials or numbers of
-more than `MAX_DIGITS` digits), under a `SYMBOLIC_DEADLINE_S` timer in a
-process's main thread (the reward workers). The tests run a corpus of hostile
-completions (tests/rewards/hostile.py) against every registered reward.
+more than `MAX_DIGITS` digits), under a `SYMBOLIC_DEADLINE_S` deadline in
+every thread: a SIGALRM timer in a process's main thread (the reward
+workers), a helper process killed at the deadline elsewhere (reward modes
+'thread' and 'inline'). The tests run a corpus of hostile completions
+(tests/rewards/hostile.py) against every registered reward.
 
-Registered rewards: `math_answer` (1 / 0, None when no answer is found) and
-`exact_match` (the stripped completion equals the answer).
+Registered rewards: `math_answer` (1 / 0, None when no answer is found or
+the chunk's time budget ran out before it was compared) and `exact_match`
+(the stripped completion equals the answer).
 """
 
 import contextlib
 import logging
 import math
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
+import time
 from fractions import Fraction
+from multiprocessing import connection
 
-from jrl.rewards.base import register
+from jrl.rewards.base import register, time_left
+from jrl.rewards.service import read_message, write_message
 
 # math-verify warns once per process that its own (SIGALRM) timeouts are off; ours
 # are on (see `_deadline`).
 logging.getLogger('math_verify').setLevel(logging.ERROR)
+_log = logging.getLogger(__name__)
 
 _NUMBER = re.compile(r'-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\.\d+')
 _UNIT_WORDS = re.compile(r'(?<=[\d.}%])\s+[a-zA-Z][a-zA-Z .²³/^-]*$')
@@ -182,10 +192,12 @@ def _numbers_equal(a, b, rel_tol):
 # must pass `_within_bounds`: a bounded number of nodes and a bounded size of
 # every number it denotes, so that exponent towers (2^{2^{2^{100}}}), huge
 # factorials and deep nesting are refused without being computed. The
-# comparison itself runs under a deadline (`SYMBOLIC_DEADLINE_S`, a SIGALRM
-# timer) where the caller is a process's main thread, as in the reward
-# worker processes; in other threads the bounds are the only guard and the
-# reward service's own timeout is the last one.
+# comparison itself runs under a deadline (`SYMBOLIC_DEADLINE_S`). In a
+# process's main thread (the reward worker processes) that is a SIGALRM timer
+# around the comparison; a signal reaches only the main thread, so any other
+# thread (reward modes 'thread' and 'inline') hands the comparison to a helper
+# process (`serve_symbolic`) and kills it if it has not answered by the
+# deadline; the next comparison starts a fresh one.
 
 MAX_ANSWER_CHARS = 1000  # a longer extracted answer is wrong, never parsed
 MAX_SYMBOLIC_CHARS = 200  # longer answers are compared as strings and numbers only
@@ -193,7 +205,14 @@ MAX_DEPTH = 10  # nesting of brackets in a symbolic answer (the parser slows wit
 MAX_NODES = 400  # nodes of a parsed expression
 MAX_DIGITS = 20_000  # decimal digits any number in an expression may denote
 MAX_EXPONENT = 1000  # |exponent| of a power, |n| of a factorial or binomial
-SYMBOLIC_DEADLINE_S = 2.0
+SYMBOLIC_DEADLINE_S = 2.0  # per symbolic comparison
+HELPER_START_S = 30.0  # at most this long for a helper process to import math-verify
+_HELPER_GRACE_S = 0.25  # a helper silent this long past its own deadline is killed
+_HELPER_COMMAND = (
+  sys.executable,
+  '-c',
+  'from jrl.rewards.math import serve_symbolic; serve_symbolic()',
+)
 
 
 class _Deadline(BaseException):
@@ -203,11 +222,10 @@ class _Deadline(BaseException):
 
 @contextlib.contextmanager
 def _deadline(seconds):
-  """Raises `_Deadline` inside the block after `seconds` (main thread only;
-  elsewhere a no-op)."""
-  if threading.current_thread() is not threading.main_thread() or seconds <= 0:
-    yield
-    return
+  """Raises `_Deadline` inside the block after `seconds` (a SIGALRM timer: the
+  main thread only)."""
+  if seconds <= 0:
+    raise _Deadline('no time left for a symbolic comparison')
 
   def expire(signum, frame):
     del signum, frame
@@ -306,25 +324,134 @@ def _parse_symbolic(text):
   return parsed[0] if parsed and not isinstance(parsed[0], str) else None
 
 
-def _symbolic_equal(a, b):
-  """Whether normalised answers `a` (prediction) and `b` (reference) are
-  equal as expressions; False whenever that cannot be decided within bounds."""
-  for text in (a, b):
-    if len(text) > MAX_SYMBOLIC_CHARS or _nesting_depth(text) > MAX_DEPTH:
-      return False
+def _compare_here(a, b, seconds):
+  """`_symbolic_compare` in this process, under SIGALRM (main thread only)."""
   import math_verify
 
   try:
-    with _deadline(SYMBOLIC_DEADLINE_S):
+    with _deadline(seconds):
       pred, gold = _parse_symbolic(a), _parse_symbolic(b)
       if pred is None or gold is None:
         return False
       if not (_within_bounds(pred) and _within_bounds(gold)):
         return False
       return bool(math_verify.verify(gold, pred, timeout_seconds=None))
-  except (_Deadline, RecursionError, MemoryError, OverflowError):
+  except Exception:  # anything the parser or sympy cannot decide (recursion, memory) is "not equal"
     return False
-  except Exception:  # anything the parser or sympy cannot decide is "not equal"
+
+
+def serve_symbolic():
+  """The loop of a helper process (`_Helper`): reads (a, b, seconds) requests
+  on stdin and answers each with True / False, or 'deadline' when the
+  comparison ran out of `seconds`; 'ready' first, once math-verify is loaded."""
+  answers = os.fdopen(os.dup(1), 'wb')
+  os.dup2(2, 1)  # anything the libraries print goes to stderr, never into the answers
+  _compare_here('1', '1', HELPER_START_S)  # imports math-verify and builds its grammar
+  try:
+    write_message(answers, 'ready')
+    while (request := read_message(sys.stdin.buffer)) is not None:
+      a, b, seconds = request
+      try:
+        verdict = _compare_here(a, b, seconds)
+      except _Deadline:
+        verdict = 'deadline'
+      write_message(answers, verdict)
+  except BrokenPipeError:  # the caller has gone
+    pass
+
+
+class _Helper:
+  """A `serve_symbolic` process, used by one thread at a time."""
+
+  def __init__(self):
+    self.process = subprocess.Popen(
+      _HELPER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
+    )
+    self.ready = False
+
+  def _answer(self, seconds):
+    if not connection.wait([self.process.stdout], timeout=max(0.0, seconds)):
+      raise _Deadline(f'no answer from the symbolic helper within {seconds:g} s')
+    answer = read_message(self.process.stdout)
+    if answer is None:
+      raise OSError(f'the symbolic helper exited (code {self.process.poll()})')
+    return answer
+
+  def compare(self, a, b, seconds, start_s):
+    """True / False / 'deadline' (the helper stopped itself at `seconds`);
+    raises _Deadline when it does not answer in time (`start_s` more for a
+    helper that is still starting)."""
+    if not self.ready:
+      if self._answer(start_s) != 'ready':
+        raise OSError('the symbolic helper did not start')
+      self.ready = True
+    write_message(self.process.stdin, (a, b, seconds))
+    return self._answer(seconds + _HELPER_GRACE_S)
+
+  def kill(self):
+    self.process.kill()
+    self.process.wait()
+    for stream in (self.process.stdin, self.process.stdout):
+      with contextlib.suppress(OSError):
+        stream.close()
+
+
+_idle_helpers = []  # started helpers no thread is using
+_helpers_lock = threading.Lock()
+
+
+def _compare_in_helper(a, b, seconds, start_s):
+  """`_symbolic_compare` in an idle helper process (started if there is none);
+  a helper that misses its deadline is killed and a fresh one started."""
+  with _helpers_lock:
+    helper = _idle_helpers.pop() if _idle_helpers else None
+  helper = helper or _Helper()
+  try:
+    verdict = helper.compare(a, b, seconds, start_s)
+  except BaseException as e:  # late, dead or interrupted: never reused
+    helper.kill()
+    with _helpers_lock:
+      _idle_helpers.append(_Helper())  # starts now, ready for the next comparison
+    if isinstance(e, Exception):  # the helper failed (crashed, out of memory): "not equal"
+      return False
+    raise
+  with _helpers_lock:
+    _idle_helpers.append(helper)
+  if verdict == 'deadline':
+    raise _Deadline(f'symbolic comparison exceeded {seconds:g} s')
+  return verdict
+
+
+def close_helpers():
+  """Stops the idle helper processes (the next comparison outside a main
+  thread starts a fresh one)."""
+  with _helpers_lock:
+    helpers, _idle_helpers[:] = list(_idle_helpers), []
+  for helper in helpers:
+    helper.kill()
+
+
+def _symbolic_compare(a, b, seconds, start_s=HELPER_START_S):
+  """Whether normalised answers `a` (prediction) and `b` (reference) are equal
+  as expressions; False whenever that cannot be decided within bounds.
+
+  Raises `_Deadline` when `seconds` run out first. In a process's main thread
+  the comparison runs here; in any other thread in a helper process (whose
+  start, the first time, may take up to `start_s` more).
+  """
+  for text in (a, b):
+    if len(text) > MAX_SYMBOLIC_CHARS or _nesting_depth(text) > MAX_DEPTH:
+      return False
+  if threading.current_thread() is threading.main_thread():
+    return _compare_here(a, b, seconds)
+  return _compare_in_helper(a, b, seconds, start_s)
+
+
+def _symbolic_equal(a, b):
+  """`_symbolic_compare` with `SYMBOLIC_DEADLINE_S`; False when it runs out."""
+  try:
+    return _symbolic_compare(a, b, SYMBOLIC_DEADLINE_S)
+  except _Deadline:
     return False
 
 
@@ -336,6 +463,12 @@ def _split_tuple(t):
 
 def is_equivalent(a, b, rel_tol=1e-6):
   """Whether two answers denote the same value (see the module docstring)."""
+  return _equivalent(a, b, rel_tol, _symbolic_equal)
+
+
+def _equivalent(a, b, rel_tol, symbolic):
+  """`is_equivalent`, with `symbolic(na, nb)` deciding the pairs of normalised
+  answers that only a symbolic comparison can decide."""
   if a is None or b is None or len(str(a)) > MAX_ANSWER_CHARS or len(str(b)) > MAX_ANSWER_CHARS:
     return False
   na, nb = normalize(a), normalize(b)
@@ -349,7 +482,7 @@ def is_equivalent(a, b, rel_tol=1e-6):
       ta[0] == tb[0]
       and ta[1] == tb[1]
       and len(ta[2]) == len(tb[2])
-      and all(is_equivalent(x, y, rel_tol) for x, y in zip(ta[2], tb[2], strict=True))
+      and all(_equivalent(x, y, rel_tol, symbolic) for x, y in zip(ta[2], tb[2], strict=True))
     )
   va, vb = to_number(na), to_number(nb)
   if va is not None and vb is not None:
@@ -362,18 +495,69 @@ def is_equivalent(a, b, rel_tol=1e-6):
     return False
   # Not both plain numbers: only a symbolic comparison can still say equal
   # (2\sqrt{2} and \sqrt{8}, x^2+2x+1 and (x+1)^2).
-  return _symbolic_equal(na, nb)
+  return symbolic(na, nb)
+
+
+class _Undecided(Exception):
+  """Only a symbolic comparison can decide this pair."""
+
+
+def _undecided(a, b):
+  raise _Undecided(a, b)
+
+
+CHUNK_BUDGET = 0.8  # share of a chunk's time in the reward service that math_answer spends
 
 
 @register('math_answer')
 def math_answer(prompts, completions, metadata):
   """1.0 if the extracted answer is equivalent to metadata['answer'], 0.0 if
-  not, None if no answer can be found in the completion."""
+  not, None if no answer can be found in the completion, or if the chunk's
+  budget ran out before its answer could be compared.
+
+  The budget: inside the reward service, CHUNK_BUDGET of the time the service
+  waits for the call (`time_left()`: a chunk's `reward.timeout_s`); no budget
+  outside it. Answers that strings and numbers decide are scored first;
+  those that need a symbolic comparison follow, each under
+  SYMBOLIC_DEADLINE_S or what is left of the budget if that is less. One
+  that runs out of its full SYMBOLIC_DEADLINE_S is 0.0 (too costly to check
+  is wrong); one cut short by the budget, or not reached, is None. So slow
+  answers never leave the rest of their chunk unscored.
+  """
   del prompts
-  out = []
-  for completion, meta in zip(completions, metadata, strict=True):
+  left = time_left()
+  end = math.inf if left is None else time.monotonic() + CHUNK_BUDGET * left
+
+  def symbolic(a, b):
+    remaining = end - time.monotonic()
+    if remaining <= 0:
+      raise _Deadline("the chunk's budget is spent")
+    seconds = min(SYMBOLIC_DEADLINE_S, remaining)
+    return _symbolic_compare(a, b, seconds, start_s=min(HELPER_START_S, remaining))
+
+  out, deferred = [], []
+  for i, (completion, meta) in enumerate(zip(completions, metadata, strict=True)):
     got = extract_answer(completion)
-    out.append(None if got is None else float(is_equivalent(got, meta['answer'])))
+    try:
+      out.append(None if got is None else float(_equivalent(got, meta['answer'], 1e-6, _undecided)))
+    except _Undecided:
+      out.append(None)
+      deferred.append((i, got))
+  for i, got in deferred:
+    try:
+      out[i] = float(_equivalent(got, metadata[i]['answer'], 1e-6, symbolic))
+    except _Deadline:
+      out[i] = None if time.monotonic() >= end else 0.0
+  unscored = sum(out[i] is None for i, _ in deferred)
+  if unscored:
+    _log.warning(
+      "math_answer: %d of %d answers unscored: the chunk's budget (%.3g s, %d%% of the reward "
+      "service's timeout) ran out during symbolic comparisons",
+      unscored,
+      len(out),
+      CHUNK_BUDGET * left,
+      round(100 * CHUNK_BUDGET),
+    )
   return out
 
 

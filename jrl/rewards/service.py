@@ -25,6 +25,10 @@ and runs the chunks concurrently:
   caller's state, e.g. a jrl reward model on the accelerator), one call at a
   time on a daemon thread with the same timeout and replacement.
 
+Inside a call, `jrl.rewards.base.time_left()` gives the seconds left before
+that call's chunk times out, in every mode, so that a function can keep to
+the deadline itself and return the scores it has (`math_answer` does).
+
 Whatever happens (an exception, even SystemExit or KeyboardInterrupt raised
 by a reward function, a timeout, a crashed worker, a non-finite or missing
 score), the affected completions are "unscored" (they count as
@@ -47,7 +51,7 @@ from multiprocessing import connection
 
 import numpy as np
 
-from jrl.rewards.base import REGISTRY, ScoredBatch, get_reward_fn
+from jrl.rewards.base import REGISTRY, ScoredBatch, call_deadline, get_reward_fn
 
 MODES = ('process', 'thread', 'inline')
 
@@ -149,7 +153,7 @@ class ProcessPool:
         if w.task is None and pending:
           i = pending.popleft()
           try:
-            w.send((i, *tasks[i]))
+            w.send((i, *tasks[i], timeout_s, time.time()))  # the clock runs from now
             w.task = (i, time.monotonic())
           except (BrokenPipeError, OSError) as e:
             results[i] = ('error', f'worker unavailable: {e}')
@@ -193,20 +197,23 @@ class ProcessPool:
 # Threads -------------------------------------------------------------------------
 
 
-def contained_call(fn, chunk):
-  """('ok', scores) | ('error', message) for fn(*chunk); raises nothing, not
-  even SystemExit or KeyboardInterrupt raised inside `fn`."""
+def contained_call(fn, chunk, timeout_s=None):
+  """('ok', scores) | ('error', message) for fn(*chunk), with `time_left()`
+  counting down from `timeout_s`; raises nothing, not even SystemExit or
+  KeyboardInterrupt raised inside `fn`."""
   try:
-    return ('ok', clean_scores(fn(*chunk), len(chunk[1])))
+    with call_deadline(timeout_s):
+      return ('ok', clean_scores(fn(*chunk), len(chunk[1])))
   except BaseException as e:  # contained and reported: a reward must not end the run
     return ('error', f'{type(e).__name__}: {e}')
 
 
 class _Job:
-  __slots__ = ('call', 'done', 'result', 'started', 'thread')
+  __slots__ = ('call', 'done', 'result', 'started', 'thread', 'timeout_s')
 
-  def __init__(self, call):
+  def __init__(self, call, timeout_s):
     self.call = call  # (fn, chunk)
+    self.timeout_s = timeout_s
     self.done = False
     self.result = None
     self.started = None  # monotonic time a thread took it
@@ -249,7 +256,7 @@ class ThreadPool:
         job = self._queue.popleft()
         job.started, job.thread = time.monotonic(), me
         self._cond.notify_all()  # its deadline now runs
-      result = contained_call(*job.call)
+      result = contained_call(*job.call, job.timeout_s)
       with self._cond:
         job.result, job.done = result, True
         self._cond.notify_all()
@@ -267,7 +274,7 @@ class ThreadPool:
     """[(fn, chunk)] -> [('ok', scores) | ('error', msg) | ('timeout', msg)].
 
     Each call has `timeout_s` from the moment a thread starts it."""
-    jobs = [_Job(c) for c in calls]
+    jobs = [_Job(c, timeout_s) for c in calls]
     results = [None] * len(jobs)
     with self._cond:
       self._queue.extend(jobs)

@@ -3,16 +3,20 @@
 Imports the modules that register the reward functions it will run, then
 serves requests on stdin and answers on stdout, each a pickled message
 prefixed with its 8-byte length. Request: (task id, function name, prompts,
-completions, metadata); answer: (task id, 'ok', scores) or (task id,
-'error', message). Anything the reward functions print goes to stderr, so it
-cannot corrupt the protocol. Started by `jrl.rewards.service.ProcessPool`
-in a session of its own, so that a timed-out worker can be killed with
-everything it started.
+completions, metadata, timeout_s, sent at (time.time())); answer: (task id,
+'ok', scores) or (task id, 'error', message). The function runs with
+`time_left()` counting down to `timeout_s` after the request was sent (the
+pool kills the worker then), so a worker still importing when the request
+came does not overrun. Anything the reward functions print goes to stderr,
+so it cannot corrupt the protocol.
+Started by `jrl.rewards.service.ProcessPool` in a session of its own, so
+that a timed-out worker can be killed with everything it started.
 """
 
 import importlib
 import os
 import sys
+import time
 
 from jrl.rewards.service import clean_scores, read_message, write_message
 
@@ -23,16 +27,18 @@ def main(modules):
   proto_in = sys.stdin.buffer
   for module in modules:
     importlib.import_module(module)
-  from jrl.rewards.base import get_reward_fn
+  from jrl.rewards.base import call_deadline, get_reward_fn
 
   while True:
     msg = read_message(proto_in)
     if msg is None:
       return
-    task_id, name, prompts, completions, metadata = msg
+    task_id, name, prompts, completions, metadata, timeout_s, sent_at = msg
+    left = min(timeout_s, timeout_s - (time.time() - sent_at))  # whatever the wall clock did
     try:
-      scores = clean_scores(get_reward_fn(name)(prompts, completions, metadata), len(completions))
-      write_message(proto_out, (task_id, 'ok', scores))
+      with call_deadline(max(0.0, left)):
+        scores = get_reward_fn(name)(prompts, completions, metadata)
+      write_message(proto_out, (task_id, 'ok', clean_scores(scores, len(completions))))
     except BaseException as e:  # report everything; the worker itself never dies of it
       write_message(proto_out, (task_id, 'error', f'{type(e).__name__}: {e}'))
 

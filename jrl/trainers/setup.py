@@ -271,6 +271,7 @@ def checkpointer(config, workdir):
     os.path.join(workdir, 'checkpoints'),
     keep=config.checkpoint.keep,
     async_save=config.checkpoint.async_save,
+    allow_unverified=config.checkpoint.allow_unverified,
   )
 
 

@@ -6,6 +6,7 @@ import threading
 import time
 
 from jrl.rewards import register
+from jrl.rewards.base import time_left
 
 
 @register('test_const')
@@ -63,6 +64,12 @@ def flaky(prompts, completions, metadata):
   return [float(m.get('value', 1.0)) for m in metadata]
 
 
+@register('test_time_left')
+def seconds_left(prompts, completions, metadata):
+  """What `time_left()` says at the start of the call, for every completion."""
+  return [time_left()] * len(completions)
+
+
 RELEASE = threading.Event()  # set by the tests to let blocked functions return
 
 
@@ -88,3 +95,24 @@ def interrupts(prompts, completions, metadata):
 def first_even(prompts, completions, metadata):
   """1 for a completion whose first character has an even code point, else 0."""
   return [float(bool(c) and ord(c[0]) % 2 == 0) for c in completions]
+
+
+def serve_endless_symbolic():
+  """A symbolic helper (`jrl.rewards.math.serve_symbolic`) whose comparisons
+  of unequal-looking expressions never end and ignore their deadline, like
+  one stuck in C code: only a kill stops it."""
+  import contextlib
+
+  import math_verify
+
+  from jrl.rewards import math as math_reward
+
+  def endless(gold, pred, **kwargs):
+    if gold == pred:  # the helper's own warm-up ('1' and '1')
+      return True
+    while True:
+      time.sleep(0.01)
+
+  math_verify.verify = endless
+  math_reward._deadline = lambda seconds: contextlib.nullcontext()
+  math_reward.serve_symbolic()

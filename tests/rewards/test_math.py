@@ -5,11 +5,21 @@ thousands separators, fractions, decimals, percent, LaTeX \\frac / \\dfrac /
 \\tfrac, units and trailing text, "x =" prefixes, signs, degrees, tuples and
 (with sympy) symbolic forms; non-equivalent pairs are near misses of the same
 kinds, so a normaliser that is too lenient fails them.
+
+The last tests cover time: a chunk of slow symbolic answers keeps its plain
+answers scored, and a comparison outside the main thread stops at its
+deadline.
 """
 
+import os
+import sys
+import threading
+
+import numpy as np
 import pytest
 
-from jrl.rewards import extract_answer, is_equivalent, math_answer, normalize
+from jrl.rewards import RewardService, extract_answer, is_equivalent, math_answer, normalize
+from jrl.rewards import math as math_reward
 
 EQUIVALENT = [
   # Integers, signs, separators.
@@ -185,3 +195,75 @@ def test_normalize_is_idempotent():
     for text in (reference, candidate):
       once = normalize(text)
       assert normalize(once) == once
+
+
+# Time ------------------------------------------------------------------------------
+
+# Symbolic, within the bounds, and far slower than SYMBOLIC_DEADLINE_S for sympy
+# to compare with 1 (over 15 s on a laptop core).
+SLOW = '\\sin(x)^{900}+\\cos(x)^{900}'
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize('mode', ['process', 'thread', 'inline'])
+def test_slow_symbolic_answers_leave_the_rest_of_their_chunk_scored(mode):
+  """One chunk of 32: 15 slow symbolic answers (30 s of deadlines) between 17
+  correct plain ones, with a 5 s chunk timeout. Plain answers are scored
+  first; the slow ones get what is left of the budget, and the chunk never
+  times out."""
+  slow = [i % 2 == 1 and i < 30 for i in range(32)]
+  completions = [
+    f'\\boxed{{{SLOW}}}' if s else f'So it is \\boxed{{{i}}}.' for i, s in enumerate(slow)
+  ]
+  metadata = [{'answer': '1' if s else str(i)} for i, s in enumerate(slow)]
+  with RewardService(
+    ['math_answer'], mode=mode, workers=1, timeout_s=5.0, chunk_size=32
+  ) as service:
+    scored = service([''] * 32, completions, metadata)
+  assert scored.timeouts == {'math_answer': 0} and scored.failures == {'math_answer': 0}
+  scores = scored.per_fn['math_answer']
+  np.testing.assert_array_equal(scores[~np.asarray(slow)], np.ones(17))
+  slow_scores = scores[np.asarray(slow)]
+  assert np.all(np.isnan(slow_scores) | (slow_scores == 0.0)), slow_scores
+  assert 1 <= scored.unscored['math_answer'] <= 15  # the budget stopped the slow ones
+
+
+def _in_thread(fn, *args):
+  """fn(*args) on a thread that is not the main thread; its result, or the
+  test fails if it has not returned within 60 s."""
+  result = []
+  thread = threading.Thread(target=lambda: result.append(fn(*args)), daemon=True)
+  thread.start()
+  thread.join(60)
+  assert not thread.is_alive(), 'the comparison did not stop at its deadline'
+  return result[0]
+
+
+def test_a_comparison_off_the_main_thread_stops_at_its_deadline(monkeypatch):
+  """Outside the main thread (reward modes 'thread' and 'inline') symbolic
+  comparisons run in a helper process; one that ignores its deadline (here
+  every comparison of a helper that never finishes) is killed, scored not
+  equal, and the next comparison gets a fresh helper."""
+  monkeypatch.setenv('PYTHONPATH', os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+  monkeypatch.setattr(math_reward, 'SYMBOLIC_DEADLINE_S', 0.5)
+  math_reward.close_helpers()  # helpers of earlier tests
+  killed = []
+  real_kill = math_reward._Helper.kill
+
+  def kill(helper):
+    killed.append(helper.process)
+    real_kill(helper)
+
+  monkeypatch.setattr(math_reward._Helper, 'kill', kill)
+  endless = 'from tests.rewards import fixtures; fixtures.serve_endless_symbolic()'
+  try:
+    with monkeypatch.context() as m:
+      m.setattr(math_reward, '_HELPER_COMMAND', (sys.executable, '-c', endless))
+      assert _in_thread(is_equivalent, '(x+1)^2', 'x^2+2x+1') is False
+      assert len(killed) == 1 and killed[0].poll() is not None
+      math_reward.close_helpers()
+    # Real helpers: the same pair is equal, and a slow one stops at its deadline.
+    assert _in_thread(is_equivalent, '(x+1)^2', 'x^2+2x+1') is True
+    assert _in_thread(is_equivalent, SLOW, '1') is False
+  finally:
+    math_reward.close_helpers()

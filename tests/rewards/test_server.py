@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jrl.rewards import RewardService
-from jrl.rewards.server import RemoteRewardService, make_server
+from jrl.rewards.server import MAX_COMPLETIONS, RemoteRewardService, make_server
 from jrl.rewards.server import client as client_lib
 from tests.rewards import fixtures  # noqa: F401 (registers the test functions)
 
@@ -174,6 +174,29 @@ def test_wrong_json_is_answered_400_naming_the_field(port, body, field):
   status, payload = _request(port, 'POST', '/score', data)
   assert status == 400 and payload['field'] == field, payload
   assert repr(field) in payload['error']
+
+
+def test_more_completions_than_the_limit_are_answered_413_naming_it():
+  def body(n):
+    prompts, completions, metadata = _batch(n)
+    return json.dumps({'prompts': prompts, 'completions': completions, 'metadata': metadata})
+
+  with RewardService(['test_length'], mode='inline') as service:
+    with _serving(service, max_completions=3) as p:
+      status, payload = _request(p, 'POST', '/score', body(4).encode())
+      assert status == 413 and payload['field'] == 'completions', payload
+      assert 'at most 3 completions' in payload['error'] and 'max_completions' in payload['error']
+      status, payload = _request(p, 'POST', '/score', body(3).encode())
+      assert status == 200 and len(payload['total']) == 3
+      # The client counts the refused batch as a failure, never raised.
+      scored = RemoteRewardService(f'http://127.0.0.1:{p}', retries=0)(*_batch(4))
+      assert scored.failures == {'remote': 1} and 'HTTP 413' in scored.errors[0]
+    # The default limit: MAX_COMPLETIONS.
+    with _serving(service) as p:
+      status, payload = _request(p, 'POST', '/score', body(MAX_COMPLETIONS + 1).encode())
+      assert status == 413 and f'at most {MAX_COMPLETIONS} completions' in payload['error']
+    with pytest.raises(ValueError, match='max_completions'):
+      make_server(service, max_completions=0)
 
 
 def test_wrong_path_and_method_are_answered_in_json(port):

@@ -149,6 +149,18 @@ def test_load_many_concurrent_calls_all_return_with_counts():
   assert service.totals['timeouts'] == 6
 
 
+@pytest.mark.parametrize('mode', ['process', 'thread', 'inline'])
+def test_a_reward_function_sees_the_time_left_of_its_chunk(mode):
+  """`time_left()` counts down from `timeout_s` inside the service (in worker
+  processes too) and is None outside it."""
+  with RewardService(['test_time_left'], mode=mode, workers=1, timeout_s=20.0) as service:
+    scored = service(*_batch(3))
+  left = scored.per_fn['test_time_left']
+  assert scored.failures['test_time_left'] == 0, scored.errors
+  assert np.all((left > 0) & (left <= 20.0)), left
+  assert rewards_base.time_left() is None
+
+
 def test_bad_configuration_is_refused():
   with pytest.raises(ValueError, match='no_such_fn'):
     RewardService(['no_such_fn'], mode='inline')

@@ -15,6 +15,7 @@ from jrl.rewards.server.app import (
   BACKLOG,
   CONNECTION_LIMIT,
   MAX_BODY_BYTES,
+  MAX_COMPLETIONS,
   MAX_HEADER_BYTES,
   READ_TIMEOUT_S,
   THREADS,

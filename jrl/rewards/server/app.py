@@ -15,6 +15,7 @@ from waitress.task import ErrorTask
 from jrl.rewards.server.validation import BadRequest, parse_score_request, scored_to_json
 
 MAX_BODY_BYTES = 16 * 2**20  # requests of this many bytes or more are answered 413
+MAX_COMPLETIONS = 4096  # requests with more completions are answered 413
 READ_TIMEOUT_S = 30  # a connection silent this long is closed
 THREADS = 8  # worker threads handling complete requests
 CONNECTION_LIMIT = 1024  # open connections; more wait in the listen backlog
@@ -31,8 +32,8 @@ _REASONS = {
 }
 
 
-def make_app(service):
-  """The WSGI application serving `service`."""
+def make_app(service, max_completions=MAX_COMPLETIONS):
+  """The WSGI application serving `service`, at most `max_completions` per request."""
   lock = threading.Lock()  # one scoring call at a time per service
 
   def respond(start_response, code, payload, headers=()):
@@ -46,7 +47,7 @@ def make_app(service):
   def score(environ):
     # waitress has already read the whole body (at most max_body_bytes) into a buffer.
     length = int(environ.get('CONTENT_LENGTH') or 0)
-    args = parse_score_request(environ['wsgi.input'].read(length))
+    args = parse_score_request(environ['wsgi.input'].read(length), max_completions)
     with lock:
       return scored_to_json(service(*args))
 
@@ -67,7 +68,7 @@ def make_app(service):
         return respond(start_response, 200, {'ok': True, 'functions': list(service.names)})
       return respond(start_response, 200, score(environ))
     except BadRequest as e:
-      return respond(start_response, 400, {'error': f'bad request: {e}', 'field': e.field})
+      return respond(start_response, e.status, {'error': f'bad request: {e}', 'field': e.field})
     except ValueError as e:  # the service refused the arguments
       return respond(start_response, 400, {'error': f'bad request: {e}'})
     except Exception as e:  # a bug in a service must still get an answer
@@ -113,6 +114,7 @@ class RewardServer:
     port=0,
     *,
     max_body_bytes=MAX_BODY_BYTES,
+    max_completions=MAX_COMPLETIONS,
     read_timeout_s=READ_TIMEOUT_S,
     threads=THREADS,
     connection_limit=CONNECTION_LIMIT,
@@ -121,6 +123,7 @@ class RewardServer:
     read_timeout_s = int(read_timeout_s)
     for name, value in (
       ('max_body_bytes', max_body_bytes),
+      ('max_completions', max_completions),
       ('read_timeout_s', read_timeout_s),
       ('threads', threads),
       ('connection_limit', connection_limit),
@@ -146,7 +149,8 @@ class RewardServer:
     logging.getLogger('waitress.queue').setLevel(logging.ERROR)
     self._map = {}
     # One address only: the first that `host` resolves to.
-    self._listener = _Listener(make_app(service), map=self._map, adj=adj, sockinfo=adj.listen[0])
+    app = make_app(service, max_completions)
+    self._listener = _Listener(app, map=self._map, adj=adj, sockinfo=adj.listen[0])
     self.server_address = (self._listener.effective_host, self._listener.effective_port)
     self._stop = threading.Event()
     self._running = threading.Event()
@@ -193,7 +197,7 @@ class RewardServer:
 def make_server(service, host='127.0.0.1', port=0, **limits):
   """A `RewardServer` serving `service` (call `serve_forever()` on it).
 
-  `limits`: max_body_bytes, read_timeout_s, threads, connection_limit,
-  backlog (see `RewardServer` and README.md for the defaults).
+  `limits`: max_body_bytes, max_completions, read_timeout_s, threads,
+  connection_limit, backlog (see `RewardServer` and README.md for the defaults).
   """
   return RewardServer(service, host, port, **limits)

@@ -6,6 +6,7 @@ from jrl.rewards.server.app import (
   BACKLOG,
   CONNECTION_LIMIT,
   MAX_BODY_BYTES,
+  MAX_COMPLETIONS,
   READ_TIMEOUT_S,
   THREADS,
   make_server,
@@ -29,6 +30,12 @@ def main():
     type=int,
     default=MAX_BODY_BYTES,
     help='requests of this many bytes or more are answered 413',
+  )
+  parser.add_argument(
+    '--max_completions',
+    type=int,
+    default=MAX_COMPLETIONS,
+    help='requests with more completions are answered 413',
   )
   parser.add_argument(
     '--read_timeout_s',
@@ -59,6 +66,7 @@ def main():
     args.host,
     args.port,
     max_body_bytes=args.max_body_bytes,
+    max_completions=args.max_completions,
     read_timeout_s=args.read_timeout_s,
     threads=args.threads,
     connection_limit=args.connection_limit,

@@ -9,11 +9,13 @@ import numpy as np
 
 
 class BadRequest(ValueError):
-  """A request the server answers with 400, naming the wrong field."""
+  """A request the server answers with `status` (400, or 413 for too many
+  completions), naming the wrong field."""
 
-  def __init__(self, field, message):
+  def __init__(self, field, message, status=400):
     super().__init__(f'{field!r} {message}')
     self.field = field
+    self.status = status
 
 
 def _finite_or_none(values):
@@ -38,8 +40,9 @@ def type_name(value):
   return 'null' if value is None else type(value).__name__
 
 
-def parse_score_request(body):
-  """(prompts, completions, metadata) from a POST /score body, or BadRequest."""
+def parse_score_request(body, max_completions=None):
+  """(prompts, completions, metadata) from a POST /score body, or BadRequest
+  (status 413 for more than `max_completions` completions; None: no cap)."""
   try:
     request = json.loads(body)
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -57,6 +60,13 @@ def parse_score_request(body):
     values = request[field]
     if not isinstance(values, list):
       raise BadRequest(field, f'must be a list of {kind_name}s, not {type_name(values)}')
+    if field == 'completions' and max_completions is not None and len(values) > max_completions:
+      raise BadRequest(
+        field,
+        f'has {len(values)} entries; this server scores at most {max_completions} completions '
+        'per request (max_completions): send smaller batches',
+        status=413,
+      )
     for i, v in enumerate(values):
       if not isinstance(v, kind):
         raise BadRequest(field, f'must be a list of {kind_name}s; item {i} is {type_name(v)}')
