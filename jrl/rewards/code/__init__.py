@@ -21,7 +21,8 @@ prefix (HumanEval's prompt), as HumanEval's harness runs it.
 Time. The reward service gives a chunk of completions one deadline
 (`reward.timeout_s`). `code_tests` runs the programs of a call concurrently
 (`reward.code.concurrency`; 0: 2 per CPU, 4 to 16) within
-`reward.code.budget_s` for the whole call; each case runs under its own
+`reward.code.budget_s` for the whole call (at most 90% of what the service's
+deadline leaves the chunk, `rewards.base.time_left()`); each case runs under its own
 limit (`reward.code.case_wall_s`, else the row's `limits` or
 `sandbox.Limits`). A case that would start with less than its limit left is
 not run, and its program is unscored (None: counted by the service), never
@@ -45,7 +46,7 @@ import time
 from concurrent import futures
 
 from jrl.rewards import sandbox
-from jrl.rewards.base import register
+from jrl.rewards.base import register, time_left
 from jrl.rewards.code import formats
 from jrl.rewards.code.cases import normalize_output
 from jrl.rewards.code.judge import SCORES, Verdict, run_tests
@@ -281,11 +282,13 @@ def code_tests(prompts, completions, metadata):
       tests.append(row_tests)
       limits.append(_row_limits(meta, cfg.case_wall_s))
   scores = [None] * len(completions)
+  left = time_left()  # the reward service's deadline for this chunk, if any
+  budget_s = cfg.budget_s if left is None else min(cfg.budget_s, 0.9 * left)
   verdicts = score_programs(
     sources,
     tests,
     limits,
-    budget_s=cfg.budget_s,
+    budget_s=budget_s,
     concurrency=cfg.workers(),
     fresh_process_per_case=cfg.fresh_process_per_case,
   )
@@ -295,10 +298,11 @@ def code_tests(prompts, completions, metadata):
     unrun += scores[i] is None
   if unrun:
     _log.warning(
-      'code_tests: %d of %d programs unscored: the budget (reward.code.budget_s=%s) '
-      'ran out before their cases',
+      'code_tests: %d of %d programs unscored: the budget of %.1f s (reward.code.budget_s=%s, '
+      'or 90%% of what the chunk had left of reward.timeout_s) ran out before their cases',
       unrun,
       len(index),
+      budget_s,
       cfg.budget_s,
     )
   return scores
