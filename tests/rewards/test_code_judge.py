@@ -303,3 +303,15 @@ def test_a_chunk_keeps_to_the_services_deadline(monkeypatch):
   assert got.timeouts['code_tests'] == 0, got.errors
   assert scores[0] == 1.0 and np.isnan(scores[-1]), scores  # NaN: unscored
   assert set(scores[~np.isnan(scores)]) == {1.0}
+
+
+def test_a_whole_function_runs_after_the_prompt_as_humaneval_runs_it():
+  """A completion that writes the whole function may rely on the prompt's
+  imports (HumanEval's harness runs prompt + completion)."""
+  row = next(r for r in humaneval_rows() if r['task_id'] == 'HumanEval/0')
+  tests = formats.parse(row)
+  body = row['canonical_solution']
+  whole = '```python\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n'
+  source = code.program_source(whole + body + '```\nIt checks every pair.', tests)
+  assert source.startswith(row['prompt']) and 'from typing import List' in source
+  assert code.score_program(source, tests, limits=FAST) == 1.0

@@ -193,8 +193,12 @@ def _defines(code, names):
 
 def program_source(completion, tests):
   """The program to run for `completion`: its code; for call-based and assert
-  tests with a prefix, prefix + code when the code does not define the
-  function (a completion that continues HumanEval's prompt). None: no code."""
+  tests with a prefix, prefix + code, as HumanEval's harness runs a
+  completion after the prompt: a completion that continues the prompt's
+  function, or one that defines the function again after the prompt (whose
+  imports, e.g. `from typing import List`, it may rely on). A completion
+  that defines the function and does not compile after the prefix runs
+  alone. None: no code."""
   code = extract_code(completion)
   if code is None:
     return None
@@ -203,7 +207,18 @@ def program_source(completion, tests):
   names = {tests.fn_name if tests.kind == 'call' else tests.entry_point}
   if tests.kind == 'call' and tests.class_name:
     names.add(tests.class_name)
-  return code if _defines(code, names) else tests.prefix + code
+  if not _defines(code, names):
+    return tests.prefix + code
+  joined = tests.prefix + ('\n' if tests.prefix.endswith('\n') else '\n\n') + code
+  return joined if _compiles(joined) else code
+
+
+def _compiles(source):
+  try:
+    compile(source, 'solution.py', 'exec', dont_inherit=True)
+  except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+    return False
+  return True
 
 
 def _strict(tests, strict_types):
