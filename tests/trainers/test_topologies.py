@@ -5,6 +5,7 @@ in process), with the overlong penalty so that rewards vary with length and
 RL updates are not zero.
 """
 
+import itertools
 import os
 import signal
 
@@ -51,7 +52,7 @@ def test_async_path_with_staleness_0_equals_the_synchronous_run(colocated, tmp_p
 
 
 def test_one_step_off_trains_on_rollouts_one_version_old(colocated, one_step_off):
-  params, records = one_step_off
+  _, records = one_step_off
   rl = [r for r in records if r.get('phase') == 1.0]
   assert [r['rollout/staleness'] for r in rl] == [0.0, 1.0, 1.0, 1.0]
   # Stale rollouts are clipped against the current policy and importance weighted.
@@ -62,11 +63,15 @@ def test_one_step_off_trains_on_rollouts_one_version_old(colocated, one_step_off
   sync = {r['step']: r for r in colocated[1]}
   first = rl[0]['step']
   assert rl[0]['actor/pg_loss'] == sync[first]['actor/pg_loss']
-  assert any(
-    not np.array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(colocated[0]), strict=True)
-  )
-  assert any(r['actor/grad_norm'] > 0 for r in rl[1:])
+  # After an update that moved the policy, the next step trains on the rollout
+  # of the version before it: its behaviour logprobs differ from the policy's
+  # (by far more than the float noise of an unchanged policy). Whether the
+  # final parameters differ from the synchronous run's depends on the rewards
+  # drawn (groups with one reward give no gradient), so it is not asserted.
+  assert any(r['actor/grad_norm'] > 0 for r in rl[:-1])
+  for before, after in itertools.pairwise(rl):
+    if before['actor/grad_norm'] > 0:
+      assert after['rollout/behaviour_logp_diff_abs'] > 1e-5, (before, after)
 
 
 def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp_path, monkeypatch):
