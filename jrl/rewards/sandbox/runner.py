@@ -159,10 +159,15 @@ def run(plan, source, stdin, limits, t0, files=None):
         [sys.executable, '-I', '-S', LAUNCHER, '--sweep', str(uid)], timeout=30, cwd='/'
       )
     launcher.remove_tree(workdir)
+  return result(status, reason, proc.returncode, out, err, limits, t0, oom_kills)
+
+
+def result(status, reason, launcher_rc, out, err, limits, t0, oom_kills):
+  """The RunResult of a run that started at `t0`, its output as bytes (see `classify`)."""
   wall = time.monotonic() - t0
   stdout = out.decode('utf-8', errors='replace')
   stderr = err.decode('utf-8', errors='replace')
-  return classify(status, reason, proc.returncode, stdout, stderr, limits, wall, oom_kills)
+  return classify(status, reason, launcher_rc, stdout, stderr, limits, wall, oom_kills)
 
 
 def pump(fd_out, fd_err, status_r, inputs, limits, t0):

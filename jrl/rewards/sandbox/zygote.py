@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import selectors
 import socket
 import subprocess
 import sys
@@ -24,7 +25,6 @@ import time
 
 from jrl.rewards.sandbox.cgroups import Cgroup
 from jrl.rewards.sandbox.launcher.zygote import FDS
-from jrl.rewards.sandbox.results import classify
 from jrl.rewards.sandbox.rootfs import root_spec
 from jrl.rewards.sandbox.runner import (
   LAUNCHER,
@@ -33,6 +33,7 @@ from jrl.rewards.sandbox.runner import (
   pick_uid,
   program_config,
   pump,
+  result,
   to_bytes,
 )
 
@@ -203,16 +204,11 @@ def run(plan, zygote, source, stdin, limits, t0, files=None, entry='exec'):
     if cgroup is not None:
       oom_kills = cgroup.oom_kills()
       cgroup.remove()
-  wall = time.monotonic() - t0
-  stdout = out.decode('utf-8', errors='replace')
-  stderr = err.decode('utf-8', errors='replace')
-  return classify(status, reason, 0, stdout, stderr, limits, wall, oom_kills)
+  return result(status, reason, 0, out, err, limits, t0, oom_kills)
 
 
 def _drain(fd, timeout_s):
   """Reads `fd` to EOF (at most `timeout_s`); what it read."""
-  import selectors
-
   data = bytearray()
   os.set_blocking(fd, False)
   deadline = time.monotonic() + timeout_s
