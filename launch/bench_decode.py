@@ -124,4 +124,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  from jrl import hostmem
+
+  hostmem.ensure_huge_pages()  # re-executes once with XLA's buffers on huge pages
   main()

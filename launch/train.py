@@ -54,5 +54,8 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  from jrl import hostmem
+
+  hostmem.ensure_huge_pages()  # re-executes once with XLA's buffers on huge pages
   flags.mark_flags_as_required(['config'])
   app.run(main, flags_parser=config_errors.parse_flags)
