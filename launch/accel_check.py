@@ -4,8 +4,9 @@
     python launch/accel_check.py --mode tiny      # the CPU mode the test suite runs
     python launch/accel_check.py --parts device,sampler
 
-Numerics first, then measurements (launch/accel_parts.py has each part's
-definition; docs/tpu_and_gpu_clusters.md what each figure means):
+Numerics first, then measurements (launch/accel_numerics.py and
+launch/accel_parts.py define the parts; docs/tpu_and_gpu_clusters.md says
+what each figure means):
 
   device           backend, device kind, bf16 / f32 matmul peaks (the MFU denominators)
   paged_attention  the sampler's Pallas kernel vs the gather path, NaN where no slot reads
@@ -42,32 +43,35 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name: (function in accel_parts, keyword arguments, model size,
+# name: (module.function, keyword arguments, model size,
 #        seconds to start it at all in full mode, seconds at most in full mode)
 PARTS = {
-  'device': ('device', {}, '0.5b', 20, 90),
-  'paged_attention': ('paged_attention', {}, '0.5b', 25, 120),
-  'train_attention': ('train_attention', {}, '0.5b', 25, 120),
-  'logprob_match': ('logprob_match', {}, '0.5b', 30, 120),
-  'bf16_update': ('bf16_update', {}, '0.5b', 30, 120),
-  'sampler': ('sampler', {}, '0.5b', 60, 180),
-  'update': ('update', {}, '0.5b', 60, 180),
-  'grpo_step': ('grpo_step', {}, '0.5b', 90, 240),
-  'sampler_gather': ('sampler', {'impl': 'gather'}, '0.5b', 60, 150),
-  'sampler_1.5b': ('sampler', {}, '1.5b', 80, 150),
-  'update_1.5b': ('update', {}, '1.5b', 80, 150),
+  'device': ('accel_parts.device', {}, '0.5b', 20, 90),
+  'paged_attention': ('accel_numerics.paged_attention', {}, '0.5b', 25, 120),
+  'train_attention': ('accel_numerics.train_attention', {}, '0.5b', 25, 120),
+  'logprob_match': ('accel_numerics.logprob_match', {}, '0.5b', 30, 120),
+  'bf16_update': ('accel_numerics.bf16_update', {}, '0.5b', 30, 120),
+  'sampler': ('accel_parts.sampler', {}, '0.5b', 60, 180),
+  'update': ('accel_parts.update', {}, '0.5b', 60, 180),
+  'grpo_step': ('accel_parts.grpo_step', {}, '0.5b', 90, 240),
+  'sampler_gather': ('accel_parts.sampler', {'impl': 'gather'}, '0.5b', 60, 150),
+  'sampler_1.5b': ('accel_parts.sampler', {}, '1.5b', 80, 150),
+  'update_1.5b': ('accel_parts.update', {}, '1.5b', 80, 150),
 }
 RESERVE_S = 5  # kept back for writing the figures
 
 
 def run_part(name, mode, earlier):
   """Runs part `name` in this process: {'figures', 'peak_device_bytes', 'peak_rss_bytes'}."""
+  import importlib
+
   sys.path.insert(0, HERE)
   import accel_parts
 
-  fn_name, kwargs, size, _, _ = PARTS[name]
+  target, kwargs, size, _, _ = PARTS[name]
+  module, fn_name = target.split('.')
   ctx = accel_parts.Context(mode=mode, earlier=earlier, size=size)
-  figures = getattr(accel_parts, fn_name)(ctx, **kwargs)
+  figures = getattr(importlib.import_module(module), fn_name)(ctx, **kwargs)
   peak, _ = accel_parts.device_memory()
   return {
     'figures': figures,
