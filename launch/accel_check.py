@@ -187,8 +187,8 @@ def check(parts, mode, budget_s, out_path, inline=False, backend=None, start=Non
         'seconds': time.perf_counter() - t0,
         **result,
       }
-      if 'figures' in result:
-        earlier[name] = result['figures']
+      # What later parts see: the figures, or that this part did not give any.
+      earlier[name] = result.get('figures', {'failed': entry['status']})
     report['parts'][name] = entry
     print(
       f'  {name}: {entry["status"]} ({entry["seconds"]:.1f} s) '

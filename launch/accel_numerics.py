@@ -170,7 +170,8 @@ def logprob_match(ctx):
     requests = P.grpo_requests(
       ctx, config.vocab_size, rng, prompts=min(8, w.prompts), max_new=max_new, lengths='fixed'
     )
-    smp = P.make_engine(ctx, config, graphdef, requests, max_new)
+    impl = ctx.kernel('paged_attention', 'gather')
+    smp = P.make_engine(ctx, config, graphdef, requests, max_new, impl)
     groups = smp.generate(params, requests, group_size=w.group)
     rows = [(r.prompt, c) for r, grp in zip(requests, groups, strict=True) for c in grp]
     t = max(len(p) + len(c.tokens) for p, c in rows)
@@ -191,6 +192,7 @@ def logprob_match(ctx):
       'max_abs': float(diff.max()),
       'tol_mean': tol,
       'tokens': int(done.sum()),
+      'sampler_attention': impl,
     }
     checks[dtype] = bool(diff.mean() <= tol)
   return {

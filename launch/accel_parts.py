@@ -75,6 +75,16 @@ class Context:
   def model_config(self, **overrides):
     return models.ModelConfig(**{**self.work.model, **overrides})
 
+  def kernel(self, part, fallback):
+    """'auto', or `fallback` when the check `part` ran in this call and failed
+    or missed a tolerance: one broken kernel must not take the figures of
+    every later part with it."""
+    figures = self.earlier.get(part)
+    if figures is None:
+      return 'auto'
+    ok = 'failed' not in figures and all(figures.get('checks', {}).values())
+    return 'auto' if ok else fallback
+
   def bf16_peak(self):
     """The device part's bfloat16 matmul peak, or a quick one measured now."""
     peak = self.earlier.get('device', {}).get('bf16_peak_flops')
@@ -207,6 +217,8 @@ def sampler(ctx, impl='auto'):
 
   w = ctx.work
   config = ctx.model_config(compute_dtype=w.dtype)
+  if impl == 'auto':
+    impl = ctx.kernel('paged_attention', 'gather')
   resolved = attention.resolve_impl(impl, w.page, config.head_dim, kv_dtype=jnp.dtype(w.dtype))
   if impl != 'auto' and ctx.earlier.get('sampler', {}).get('implementation') == resolved:
     return {
@@ -256,7 +268,9 @@ def update(ctx):
   from jrl.trainers import common, policy_step
 
   w = ctx.work
-  config = ctx.model_config(compute_dtype=w.dtype)
+  config = ctx.model_config(
+    compute_dtype=w.dtype, attention_impl=ctx.kernel('train_attention', 'xla')
+  )
   rng = np.random.default_rng(0)
   requests = grpo_requests(ctx, config.vocab_size, rng)
   lengths = [len(r.prompt) + m for r in requests for m in r.max_new_tokens]
@@ -279,6 +293,7 @@ def update(ctx):
   peak = ctx.bf16_peak()
   real = int(mask.sum())
   out = {
+    'attention_impl': config.attention_impl,
     'sequences': len(lengths),
     'real_tokens': real,
     'model_params': config.num_params(),
@@ -377,6 +392,8 @@ def grpo_step(ctx, steps=2):
     'sampler.num_slots': w.prompts * w.group,
     'sampler.page_size': w.page,
     'sampler.steps_per_dispatch': 16,
+    'sampler.attention_impl': ctx.kernel('paged_attention', 'gather'),
+    'model.attention': ctx.kernel('train_attention', 'xla'),
   }
   if ctx.mode == 'full':
     # Set, so that the memory plan does not compile its candidates (minutes at this size).
@@ -409,6 +426,7 @@ def grpo_step(ctx, steps=2):
     'response_length_mean': float(last['response_length/mean']),
     'generate_tokens_per_s': gen_tokens / max(stages['generate'], 1e-9),
     'memory_plan': plan,
+    'attention': {k: fields[k] for k in ('sampler.attention_impl', 'model.attention')},
     'headline': f'step {stages["step"]:.2f} s (generate {stages["generate"]:.2f}, reference '
     f'{stages["reference"]:.2f}, update {stages["update"]:.2f}); first step '
     f'{records[0][0]["time/step"]:.1f} s',

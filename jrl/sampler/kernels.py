@@ -24,7 +24,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton
 
 
 def _is_pow2(n):
@@ -92,6 +91,9 @@ def paged_attention_gpu(
   k = k_pages.shape[0]
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
+  # Imported here: a jax build without the Triton lowering still samples on
+  # the gather path (and fails only if this kernel is asked for).
+  from jax.experimental.pallas import triton
   kernel = functools.partial(
     _decode_kernel,
     group=h // k,

@@ -61,10 +61,14 @@ def test_a_broken_part_is_reported_and_the_rest_run(tmp_path, monkeypatch):
   def broken(ctx):
     raise RuntimeError('kernel exploded')
 
+  seen = []
+
+  def mismatched(ctx, impl='auto'):
+    seen.append(dict(ctx.earlier))
+    return {'checks': {'finite': False}, 'headline': 'h'}
+
   monkeypatch.setattr(accel_parts, 'device', broken)
-  monkeypatch.setattr(
-    accel_parts, 'sampler', lambda ctx, impl='auto': {'checks': {'finite': False}, 'headline': 'h'}
-  )
+  monkeypatch.setattr(accel_parts, 'sampler', mismatched)
   report = accel_check.check(
     ['device', 'sampler'], 'tiny', 60, str(tmp_path / 'r.json'), inline=True, backend='cpu'
   )
@@ -72,6 +76,17 @@ def test_a_broken_part_is_reported_and_the_rest_run(tmp_path, monkeypatch):
   assert 'kernel exploded' in report['parts']['device']['error']
   assert report['parts']['sampler']['status'] == 'mismatch: finite'
   assert 'kernel exploded' in accel_check.table(report)
+  assert seen == [{'device': {'failed': 'failed'}}]  # later parts know it gave nothing
+
+
+def test_later_parts_leave_a_kernel_whose_check_failed():
+  Context = accel_parts.Context
+  assert Context('tiny', {}).kernel('paged_attention', 'gather') == 'auto'  # not checked
+  good = {'paged_attention': {'checks': {'pallas_gpu/float32': True}}}
+  assert Context('tiny', good).kernel('paged_attention', 'gather') == 'auto'
+  failed = {'paged_attention': {'failed': 'timeout'}, 'train_attention': {'checks': {'x': False}}}
+  assert Context('tiny', failed).kernel('paged_attention', 'gather') == 'gather'
+  assert Context('tiny', failed).kernel('train_attention', 'xla') == 'xla'
 
 
 def test_the_budget_skips_parts_and_says_why(tmp_path):
