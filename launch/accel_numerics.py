@@ -204,9 +204,9 @@ def logprob_match(ctx):
 
 
 def bf16_update(ctx):
-  """One GRPO update (policy_step.train_step, AdamW) with bfloat16 compute and
-  float32 master weights against the same step in float32 (at 'highest'
-  matmul precision): loss, gradients, the applied update, and that the
+  """One GRPO update (policy_step.loss_and_grads, then apply_update: AdamW)
+  with bfloat16 compute and float32 master weights against the same step in
+  float32 (at 'highest' matmul precision): loss, gradients, the applied update, and that the
   parameters stay float32."""
   import optax
 
@@ -223,18 +223,13 @@ def bf16_update(ctx):
     cfg = policy_step.PolicyLossConfig(chunk_size=1024)
     state = common.init_state(params, tx)
     grads_fn = jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, cfg=cfg))
-    step = jax.jit(
-      functools.partial(
-        policy_step.train_step,
-        graphdef=graphdef,
-        tx=tx,
-        schedule=optax.constant_schedule(1e-5),
-        cfg=cfg,
-      )
+    # The update of those gradients (what train_step and the micro-batched step apply).
+    apply = jax.jit(
+      functools.partial(policy_step.apply_update, tx=tx, schedule=optax.constant_schedule(1e-5))
     )
     with jax.default_matmul_precision('highest' if dtype == 'float32' else 'default'):
-      loss, _, grads = grads_fn(state, batch)
-      new, _ = step(state, batch)
+      loss, metrics, grads = grads_fn(state, batch)
+      new, _ = apply(state, grads, loss, metrics)
     delta = jax.tree.map(lambda a, b: a - b, new.params, params)
     dtypes = {str(x.dtype) for x in jax.tree.leaves(new.params)}
     results[dtype] = (float(loss), grads, delta, dtypes)

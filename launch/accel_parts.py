@@ -347,7 +347,7 @@ def _word_tokenizer(path, vocab_size):
     json.dump({'eos_token': '<eos>', 'pad_token': '<pad>'}, f)
 
 
-def grpo_step(ctx, steps=2):
+def grpo_step(ctx, steps=None):
   """Whole GRPO steps through the trainer (`trainers.build`, `job.iterate`)
   on a random checkpoint of the workload's shape with a word-level tokenizer
   of its vocabulary: prompts of the workload's lengths, every completion up
@@ -360,6 +360,7 @@ def grpo_step(ctx, steps=2):
   from jrl.trainers import controller
 
   w = ctx.work
+  steps = steps or (2 if ctx.mode == 'full' else 1)  # tiny: the code path, one step
   config_m = ctx.model_config(param_dtype='bfloat16')
   root = tempfile.mkdtemp(prefix='jrl-accel-')
   model_dir = os.path.join(root, 'model')

@@ -52,7 +52,6 @@ CFG = M.ModelConfig(
   head_dim=8,
   init_std=0.1,
 )
-CFG_KV4 = CFG.replace(num_heads=8, num_kv_heads=4)  # kv heads split by a tensor axis of 4
 KEY = jax.random.key(0)
 PAGE = 4
 MAX_PROMPT, MAX_NEW = 16, 12
@@ -647,7 +646,6 @@ def test_request_larger_than_pool_is_refused():
 # name: (mesh (data, fsdp, tensor), model config, kv pool split over `tensor`).
 MESHES = {
   'fsdp8': ((1, 8, 1), CFG, False),
-  'fsdp2_tensor4': ((1, 2, 4), CFG_KV4, True),
   'all2': ((2, 2, 2), CFG, True),
 }
 
