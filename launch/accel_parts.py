@@ -351,8 +351,10 @@ def grpo_step(ctx, steps=None):
   """Whole GRPO steps through the trainer (`trainers.build`, `job.iterate`)
   on a random checkpoint of the workload's shape with a word-level tokenizer
   of its vocabulary: prompts of the workload's lengths, every completion up
-  to `max_new` tokens, KL 0.001 (so the reference pass runs), the memory plan
-  'auto'. Seconds per stage of the last step; the first includes compiles."""
+  to `max_new` tokens, KL 0.001 (so the reference pass runs); `steps` of
+  them (2 in full mode, 1 in tiny). Seconds per stage of the last step; the
+  first includes compiles. Full mode sets remat and micro-batches (the memory
+  plan's candidate compiles would take minutes); tiny mode leaves them 'auto'."""
   bench._import_configs()
   from configs import grpo_arith
   from jrl import trainers
