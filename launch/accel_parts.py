@@ -183,31 +183,6 @@ def make_engine(ctx, config, graphdef, requests, max_new, impl='auto'):
   return sampler.Sampler(graphdef, config, engine_config, steps_per_dispatch=16)
 
 
-def policy_batch(rng, rows, t, vocab, lengths=None):
-  """A PolicyBatch of right-padded rows: the first quarter of each sequence
-  prompt, the rest response; advantages +-1 by row."""
-  from jrl.trainers import policy_step
-
-  lengths = np.full(rows, t) if lengths is None else np.asarray(lengths)
-  tokens = np.zeros((rows, t), np.int32)
-  mask, loss_mask = np.zeros((rows, t), bool), np.zeros((rows, t), bool)
-  for i, n in enumerate(lengths):
-    tokens[i, :n] = rng.integers(1, vocab, n)
-    mask[i, :n] = True
-    loss_mask[i, max(1, n // 4) : n] = True
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  adv = np.where(loss_mask, np.where(np.arange(rows) % 2, 1.0, -1.0)[:, None], 0.0)
-  batch = policy_step.PolicyBatch(
-    tokens=jnp.asarray(tokens),
-    mask=jnp.asarray(mask),
-    loss_mask=jnp.asarray(loss_mask),
-    old_logp=f32(np.where(loss_mask, -5.0, 0.0)),
-    ref_logp=f32(np.zeros((rows, t))),
-    advantages=f32(adv),
-  )
-  return batch, tokens, mask
-
-
 def sampler(ctx, impl='auto'):
   """Output tokens/s of the paged sampler on the GRPO workload (random
   weights, 'mixed' completion limits), with attention `impl`: the first call
@@ -275,7 +250,7 @@ def update(ctx):
   requests = grpo_requests(ctx, config.vocab_size, rng)
   lengths = [len(r.prompt) + m for r in requests for m in r.max_new_tokens]
   t = max(lengths)
-  batch, tokens, mask = policy_batch(rng, len(lengths), t, config.vocab_size, lengths)
+  batch, tokens, mask = bench.policy_batch(rng, len(lengths), t, config.vocab_size, lengths)
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-5)
   cfg = policy_step.PolicyLossConfig(chunk_size=4096 if ctx.mode == 'full' else 256)

@@ -1125,6 +1125,31 @@ def long_tailed_lengths(n, max_len, mean_frac, seed, min_len=16):
   return lengths.astype(np.int32)
 
 
+def policy_batch(rng, rows, t, vocab, lengths=None):
+  """A PolicyBatch of right-padded rows: the first quarter of each sequence
+  prompt, the rest response; advantages +-1 by row."""
+  from jrl.trainers import policy_step
+
+  lengths = np.full(rows, t) if lengths is None else np.asarray(lengths)
+  tokens = np.zeros((rows, t), np.int32)
+  mask, loss_mask = np.zeros((rows, t), bool), np.zeros((rows, t), bool)
+  for i, n in enumerate(lengths):
+    tokens[i, :n] = rng.integers(1, vocab, n)
+    mask[i, :n] = True
+    loss_mask[i, max(1, n // 4) : n] = True
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  adv = np.where(loss_mask, np.where(np.arange(rows) % 2, 1.0, -1.0)[:, None], 0.0)
+  batch = policy_step.PolicyBatch(
+    tokens=jnp.asarray(tokens),
+    mask=jnp.asarray(mask),
+    loss_mask=jnp.asarray(loss_mask),
+    old_logp=f32(np.where(loss_mask, -5.0, 0.0)),
+    ref_logp=f32(np.zeros((rows, t))),
+    advantages=f32(adv),
+  )
+  return batch, tokens, mask
+
+
 def bench_update(args):
   """One GRPO update step (policy_step.train_step: forward, backward, Adam) on
   a long-tailed batch, padded rows vs packed rows (`train.packing`)."""
@@ -1139,23 +1164,7 @@ def bench_update(args):
   )
   b, t = args.batch, args.max_len
   lengths = long_tailed_lengths(b, t, args.mean_frac, seed=0, min_len=args.min_len)
-  rng = np.random.default_rng(1)
-  tokens = np.zeros((b, t), np.int32)
-  mask = np.zeros((b, t), bool)
-  loss_mask = np.zeros((b, t), bool)
-  for i, n in enumerate(lengths):
-    tokens[i, :n] = rng.integers(1, config.vocab_size, n)
-    mask[i, :n] = True
-    loss_mask[i, max(1, n // 4) : n] = True  # a quarter prompt, the rest response
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  batch = policy_step.PolicyBatch(
-    tokens=jnp.asarray(tokens),
-    mask=jnp.asarray(mask),
-    loss_mask=jnp.asarray(loss_mask),
-    old_logp=f32(np.where(loss_mask, -5.0, 0.0)),
-    ref_logp=f32(np.zeros((b, t))),
-    advantages=f32(np.where(loss_mask, np.where(np.arange(b) % 2, 1.0, -1.0)[:, None], 0.0)),
-  )
+  batch, tokens, mask = policy_batch(np.random.default_rng(1), b, t, config.vocab_size, lengths)
   host = packing.pack_padded(tokens, mask, args.row_len or t)
   packed = batch._replace(packed=jax.tree.map(jnp.asarray, host))
   real = int(mask.sum())
