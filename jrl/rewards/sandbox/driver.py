@@ -29,9 +29,10 @@ call-mode child then calls the function and writes the return value,
 encoded with tags for the types JSON lacks, as one line per case to its
 result pipe; the driver kills the child's group when a case passes
 `case_wall_s`, when its output passes `max_output_bytes`, or when it has
-done. A case that would start with less than `case_wall_s` left before
-`deadline_s` is not started
-('not_run'). The driver makes itself non-dumpable, so a child cannot open
+done. A case after the first that would start with less than
+`case_wall_s` left before `deadline_s` is not started ('not_run'); the
+first always starts (the caller gave the run time for one case beyond the
+driver's start, which a loaded machine can slow past the slack). The driver makes itself non-dumpable, so a child cannot open
 its descriptors or memory through /proc, and writes one JSON line per case,
 as each ends, to its real stdout, which no child holds, then a last line
 {"done": <cases>}:
@@ -417,13 +418,13 @@ def run_calls(code, job, devnull, max_fd, deadline, report):
   fresh instance, for a class), each under its own wall limit; a case that
   times out, crashes or exceeds the output cap ends that child, and a fresh
   one runs the cases after it. `job['fresh_process_per_case']`: a child per
-  case. Cases that would start with less than their limit left before
-  `deadline` are 'not_run'."""
+  case. Cases after the first that would start with less than their limit
+  left before `deadline` are 'not_run'."""
   cases = job['cases']
   wall_s, cap = float(job['case_wall_s']), int(job['max_output_bytes'])
   i = 0
   while i < len(cases):
-    if time.monotonic() + wall_s > deadline:
+    if i and time.monotonic() + wall_s > deadline:
       report(i, {'status': 'not_run'})
       i += 1
       continue
@@ -495,7 +496,7 @@ def main():
       run_calls(code, job, devnull, max_fd, deadline, report)
     else:
       for i, case in enumerate(job['cases']):
-        if time.monotonic() + float(job['case_wall_s']) > deadline:
+        if i and time.monotonic() + float(job['case_wall_s']) > deadline:
           report(i, {'status': 'not_run'})
         else:
           report(i, run_case(code, job, case, devnull, max_fd, scratch))
