@@ -218,7 +218,7 @@ def bf16_update(ctx):
   for dtype in ('float32', 'bfloat16'):
     config = ctx.model_config(num_layers=w.check_layers, compute_dtype=dtype)
     graphdef, params = models.create(config, jax.random.PRNGKey(0))
-    batch, _, _ = P.bench.policy_batch(np.random.default_rng(0), rows, t, config.vocab_size)
+    batch, _, _ = P.benches.policy_batch(np.random.default_rng(0), rows, t, config.vocab_size)
     tx = optax.adamw(1e-5)
     cfg = policy_step.PolicyLossConfig(chunk_size=1024)
     state = common.init_state(params, tx)

@@ -15,18 +15,21 @@ import functools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
-import bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jrl import costmodel, models
+from launch.benches import common as benches
 
 TINY_MODEL = dict(
-  bench.MODEL_SIZES['cpu-tiny'], family='qwen2', qkv_bias=True, num_heads=4, num_kv_heads=2
+  benches.MODEL_SIZES['cpu-tiny'], family='qwen2', qkv_bias=True, num_heads=4, num_kv_heads=2
 )
 QWEN_05B = dict(costmodel.MODEL_PRESETS['qwen2.5-0.5b'], family='qwen2', rope_theta=1e6)
 # Qwen2.5-1.5B's config.json shape.
@@ -88,7 +91,7 @@ class Context:
   def bf16_peak(self):
     """The device part's bfloat16 matmul peak, or a quick one measured now."""
     peak = self.earlier.get('device', {}).get('bf16_peak_flops')
-    return peak or bench.measure_matmul_peak(n=self.work.peak_n, dtype='bfloat16', repeats=3)
+    return peak or benches.measure_matmul_peak(n=self.work.peak_n, dtype='bfloat16', repeats=3)
 
 
 def max_abs(a, b, where=None):
@@ -107,7 +110,7 @@ def rel_err(a_tree, b_tree):
 
 
 def median_ms(fn, *args, repeats=5):
-  return 1e3 * bench._median_seconds(fn, args, repeats)
+  return 1e3 * benches.median_seconds(fn, args, repeats)
 
 
 def device_memory():
@@ -123,8 +126,8 @@ def device(ctx):
   """The device, the software and the matmul peaks (the MFU denominators)."""
   d = jax.devices()[0]
   n = ctx.work.peak_n
-  bf16 = bench.measure_matmul_peak(n=n, dtype='bfloat16')
-  f32 = bench.measure_matmul_peak(n=n, dtype='float32')
+  bf16 = benches.measure_matmul_peak(n=n, dtype='bfloat16')
+  f32 = benches.measure_matmul_peak(n=n, dtype='float32')
   _, limit = device_memory()
   return {
     'backend': jax.default_backend(),
@@ -204,7 +207,7 @@ def sampler(ctx, impl='auto'):
   requests = grpo_requests(ctx, config.vocab_size, np.random.default_rng(0))
   smp = make_engine(ctx, config, graphdef, requests, w.max_new, impl)
   start = time.perf_counter()
-  with bench.compile_seconds() as compiled:
+  with benches.compile_seconds() as compiled:
     out = smp.generate(params, requests, group_size=w.group)
   first = time.perf_counter() - start
   start = time.perf_counter()
@@ -250,7 +253,7 @@ def update(ctx):
   requests = grpo_requests(ctx, config.vocab_size, rng)
   lengths = [len(r.prompt) + m for r in requests for m in r.max_new_tokens]
   t = max(lengths)
-  batch, tokens, mask = bench.policy_batch(rng, len(lengths), t, config.vocab_size, lengths)
+  batch, tokens, mask = benches.policy_batch(rng, len(lengths), t, config.vocab_size, lengths)
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-5)
   cfg = policy_step.PolicyLossConfig(chunk_size=4096 if ctx.mode == 'full' else 256)
@@ -264,7 +267,7 @@ def update(ctx):
   )
   state = common.init_state(params, tx)
   del params
-  flops = 3 * sum(bench.model_flops_per_token(config, n) * n for n in lengths)
+  flops = 3 * sum(benches.forward_flops_per_token(config, n) * n for n in lengths)
   peak = ctx.bf16_peak()
   real = int(mask.sum())
   out = {
@@ -278,7 +281,7 @@ def update(ctx):
     hosts = packing.micro_batches(tokens, mask, min(t, budget), budget)
     data = batch._replace(packed=[jax.tree.map(jnp.asarray, h) for h in hosts])
     start = time.perf_counter()
-    with bench.compile_seconds() as compiled:
+    with benches.compile_seconds() as compiled:
       state, metrics = step(state, data)
       jax.block_until_ready(state)
     first = time.perf_counter() - start
@@ -330,7 +333,7 @@ def grpo_step(ctx, steps=None):
   them (2 in full mode, 1 in tiny). Seconds per stage of the last step; the
   first includes compiles. Full mode sets remat and micro-batches (the memory
   plan's candidate compiles would take minutes); tiny mode leaves them 'auto'."""
-  bench._import_configs()
+  benches.import_configs()
   from configs import grpo_arith
   from jrl import trainers
   from jrl.models import hf
@@ -353,7 +356,7 @@ def grpo_step(ctx, steps=None):
   data = os.path.join(root, 'prompts.jsonl')
   with open(data, 'w', encoding='utf-8') as f:
     f.writelines(json.dumps(r) + '\n' for r in rows)
-  c = bench._grpo_bench_config(grpo_arith.get_config(), steps)
+  c = benches.bench_config(grpo_arith.get_config(), steps)
   fields = {
     'model.path': model_dir,
     'model.compute_dtype': w.dtype,
@@ -385,7 +388,7 @@ def grpo_step(ctx, steps=None):
   job = trainers.build(c)
   state, records = job.state, []
   for it in range(steps):
-    with bench.compile_seconds() as compiled:
+    with benches.compile_seconds() as compiled:
       state, m = job.iterate(state, it)
     records.append((m, compiled[0]))
   plan = job.memory_plan.describe()

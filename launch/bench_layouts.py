@@ -28,7 +28,7 @@ import optax
 
 from jrl import models
 from jrl.trainers import common, policy_step
-from launch.bench import MODEL_SIZES
+from launch.benches.common import MODEL_SIZES
 
 
 def grpo_batch(prompts, group, completion, max_prompt_len, vocab, seed=0):

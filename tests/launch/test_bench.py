@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jrl.models import gguf as jrl_gguf
+from launch.benches import common as bench_common
 from tests.models import test_gguf
 
 _LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), 'launch')
@@ -135,18 +136,18 @@ def test_real_only_flags_are_refused_on_other_setups():
 def test_set_fields_parses_each_field_as_its_type():
   from configs import grpo_smollm2_gsm
 
-  config = bench.set_fields(
+  config = bench_common.set_fields(
     grpo_smollm2_gsm.get_config(),
     ['rl.group_size=4', 'rl.kl_coef=0.01', 'log.plot=false', 'task.system_prompt=', 'seed=3'],
   )
   assert (config.rl.group_size, config.rl.kl_coef, config.log.plot) == (4, 0.01, False)
   assert (config.task.system_prompt, config.seed) == ('', 3)
   with pytest.raises(ValueError, match='KEY=VALUE'):
-    bench.set_fields(config, ['rl.group_size'])
+    bench_common.set_fields(config, ['rl.group_size'])
 
 
 def test_update_bench_packs_a_long_tailed_batch_into_fewer_rows(capsys):
-  lengths = bench.long_tailed_lengths(64, 512, 0.25, seed=0)
+  lengths = bench_common.long_tailed_lengths(64, 512, 0.25, seed=0)
   assert lengths.max() == 512 and lengths.min() >= 16
   assert 0.2 * 512 < lengths.mean() < 0.3 * 512
   argv = ['update', '--size', 'cpu-tiny', '--batch', '8', '--max_len', '64', '--repeats', '1']

@@ -259,7 +259,9 @@ def test_memory_bomb_is_stopped():
   # about 1 s on a loaded CI runner: the CPU limit is raised so that the
   # memory bound, the thing under test, is what stops the program.
   limits = dataclasses.replace(FAST, cpu_seconds=8, wall_seconds=10)
-  result, marker = run('chunks = []\nwhile True:\n  chunks.append(bytearray(8 << 20))\n', limits=limits)
+  result, marker = run(
+    'chunks = []\nwhile True:\n  chunks.append(bytearray(8 << 20))\n', limits=limits
+  )
   assert result.status == 'memory', result
   assert result.wall_seconds < 8, result
   result, _ = run('x = bytearray(1 << 34)\n', limits=limits)
