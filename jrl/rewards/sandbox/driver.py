@@ -32,9 +32,10 @@ result pipe; the driver kills the child's group when a case passes
 done. A case after the first that would start with less than
 `case_wall_s` left before `deadline_s` is not started ('not_run'); the
 first always starts (the caller gave the run time for one case beyond the
-driver's start, which a loaded machine can slow past the slack). The driver makes itself non-dumpable, so a child cannot open
-its descriptors or memory through /proc, and writes one JSON line per case,
-as each ends, to its real stdout, which no child holds, then a last line
+driver's start, which a loaded machine can slow past the slack). The
+driver makes itself non-dumpable, so a child cannot open its descriptors or
+memory through /proc, and writes one JSON line per case, as each ends, to
+its real stdout, which no child holds, then a last line
 {"done": <cases>}:
 
     {"case": 0, "status": "ok" | "error" | "timeout" | "crash" |
