@@ -23,11 +23,9 @@ from jrl.sampler.engine import (
 from jrl.sampler.sampler import (
   Completion,
   Request,
-  RolloutBatch,
   Sampler,
   SamplerStats,
   default_buckets,
   enable_compilation_cache,
-  to_rollout_batch,
 )
 from jrl.sampler.sampling import SamplingParams, sample

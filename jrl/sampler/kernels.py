@@ -94,6 +94,7 @@ def paged_attention_gpu(
   # Imported here: a jax build without the Triton lowering still samples on
   # the gather path (and fails only if this kernel is asked for).
   from jax.experimental.pallas import triton
+
   kernel = functools.partial(
     _decode_kernel,
     group=h // k,

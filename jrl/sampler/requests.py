@@ -1,6 +1,6 @@
 """Requests and what comes back: `Request` (one prompt and how to sample
 from it), its checks against the engine's sizes, its per-slot settings, and
-`Completion` / `RolloutBatch`.
+`Completion`.
 
 Randomness: sample g of a request with seed s uses the key
 fold_in(PRNGKey(s), g), advanced once per token, whatever slot it lands in
@@ -73,15 +73,6 @@ class Completion(NamedTuple):
   logprobs: np.ndarray  # [n] float32 under the distribution sampled from (0 on env tokens)
   finish_reason: str  # 'stop' | 'length' | what `on_turn_end` reported
   env_mask: np.ndarray | None = None  # [n] bool: tokens the environment appended (multi-turn)
-
-
-class RolloutBatch(NamedTuple):
-  """Completions as padded arrays, row b·G + g for sample g of prompt b."""
-
-  tokens: np.ndarray  # [B·G, T] int32, pad 0
-  logprobs: np.ndarray  # [B·G, T] float32, 0 on padding
-  mask: np.ndarray  # [B·G, T] bool, True on generated tokens
-  finish_reason: list  # [B·G] str
 
 
 @jax.jit
@@ -197,18 +188,3 @@ def slot_request(request, samples, cfg):
     bias_values=bias_values,
     stop_seqs=seqs,
   )
-
-
-def to_rollout_batch(groups, max_new_tokens):
-  """Pads completions ([B][G] Completion) into RolloutBatch arrays of width T."""
-  flat = [c for group in groups for c in group]
-  n = len(flat)
-  tokens = np.zeros((n, max_new_tokens), np.int32)
-  logprobs = np.zeros((n, max_new_tokens), np.float32)
-  mask = np.zeros((n, max_new_tokens), bool)
-  for row, c in enumerate(flat):
-    k = len(c.tokens)
-    tokens[row, :k] = c.tokens
-    logprobs[row, :k] = c.logprobs
-    mask[row, :k] = True
-  return RolloutBatch(tokens, logprobs, mask, [c.finish_reason for c in flat])

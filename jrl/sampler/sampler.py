@@ -2,7 +2,6 @@
 
     sampler = Sampler(graphdef, model_config, EngineConfig(...))
     groups = sampler.generate(params, requests, group_size=8)   # [B][G] Completion
-    batch = to_rollout_batch(groups, max_new_tokens)             # arrays for the trainer
 
 `params` is the trainer's parameter pytree, passed as it is (never donated
 or copied), with whatever sharding it has. Each call runs the queue to
@@ -29,7 +28,6 @@ start-up keeps them on disk, so a restarted run loads instead of compiling.
 """
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -43,10 +41,8 @@ from jrl.sampler.engine import EngineConfig
 from jrl.sampler.requests import (
   Completion,
   Request,
-  RolloutBatch,
   check_requests,
   slot_request,
-  to_rollout_batch,
 )
 from jrl.sampler.scheduler import Scheduler, pack_admissions
 from jrl.sampler.state import state_shardings
@@ -67,6 +63,11 @@ class SamplerStats:
   compactions: int = 0  # dispatches that decoded fewer rows than slots (`compaction`)
   decode_steps: int = 0  # decode steps run, summed over dispatches
   decode_rows: int = 0  # rows run through the model: the sum of rows x steps per dispatch
+  # The pool when the call ended, summed over replicas: every page is back
+  # on its free stack and no slot holds a sequence when nothing leaked.
+  pages_free_at_end: int = 0  # pages on the free stacks (scratch pages excluded)
+  pages_referenced_at_end: int = 0  # pages some slot still references
+  slots_active_at_end: int = 0
 
 
 def default_buckets(max_prompt_len, smallest=16):
@@ -185,9 +186,6 @@ class Sampler:
     cfg = engine_config
     rcfg = cfg._replace(num_slots=self.slots_per_replica)  # one replica's engine
     self._rcfg = rcfg
-    # Single-replica steps, for driving the engine by hand (tests, tools).
-    self._prefill = jax.jit(functools.partial(engine.prefill, graphdef))
-    self._insert = jax.jit(functools.partial(engine.insert, cfg=cfg), donate_argnums=(0,))
     # The driver's steps: every state array has a leading [R] replica axis.
     out = {} if self._shardings is None else {'out_shardings': self._shardings}
     chunk = prefill_chunk
@@ -423,7 +421,10 @@ class Sampler:
       if not finished:
         continue
       state = self._free(state, sched.release(finished))
-    self.last_state = state
+    free_top, refcount, active = _host((state.free_top, state.refcount, state.active))
+    stats.pages_free_at_end = int(np.sum(free_top))
+    stats.pages_referenced_at_end = int(np.count_nonzero(refcount))
+    stats.slots_active_at_end = int(np.count_nonzero(active))
     return sched.results
 
 
@@ -440,10 +441,8 @@ __all__ = [
   'Completion',
   'EngineConfig',
   'Request',
-  'RolloutBatch',
   'Sampler',
   'SamplerStats',
   'default_buckets',
   'enable_compilation_cache',
-  'to_rollout_batch',
 ]

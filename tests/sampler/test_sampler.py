@@ -27,7 +27,6 @@ from jax.sharding import PartitionSpec as P
 import jrl.models as M
 from jrl import parallel
 from jrl.sampler import (
-  Completion,
   EngineConfig,
   Request,
   Sampler,
@@ -36,7 +35,6 @@ from jrl.sampler import (
   default_buckets,
   engine,
   sample,
-  to_rollout_batch,
 )
 
 # V vocab, D width, F MLP width, H query heads, K kv heads, d head width.
@@ -623,8 +621,8 @@ def test_small_pool_completes_every_request():
   # Never more than the pool; exactly the pool while the prompt-16 group runs
   # (its 4 samples have no stop token and all reach 12 tokens).
   assert sampler.stats.peak_pages == SMALL.num_pages - 1
-  st = jax.device_get(sampler.last_state)
-  assert st.free_top.tolist() == [SMALL.num_pages - 1] and not st.refcount.any()
+  st = sampler.stats
+  assert st.pages_free_at_end == SMALL.num_pages - 1 and st.pages_referenced_at_end == 0
 
 
 def test_request_larger_than_pool_is_refused():
@@ -690,44 +688,6 @@ def test_single_device_params_not_donated():
 # ----------------------------------------------------------------------------
 # 7. Layout, buckets, input checks.
 # ----------------------------------------------------------------------------
-
-
-def test_to_rollout_batch_layout():
-  c = lambda toks, reason: Completion(
-    np.asarray(toks, np.int32), -0.5 * np.arange(1, len(toks) + 1, dtype=np.float32), reason
-  )
-  groups = [
-    [c([7, 8, 9], 'stop'), c([1], 'length')],
-    [c([4, 5], 'stop'), c([6, 6, 6, 6], 'length')],
-  ]
-  batch = to_rollout_batch(groups, 5)
-  np.testing.assert_array_equal(
-    batch.tokens, [[7, 8, 9, 0, 0], [1, 0, 0, 0, 0], [4, 5, 0, 0, 0], [6, 6, 6, 6, 0]]
-  )
-  np.testing.assert_array_equal(batch.mask, batch.tokens > 0)
-  np.testing.assert_allclose(
-    batch.logprobs,
-    [
-      [-0.5, -1.0, -1.5, 0, 0],
-      [-0.5, 0, 0, 0, 0],
-      [-0.5, -1.0, 0, 0, 0],
-      [-0.5, -1.0, -1.5, -2.0, 0],
-    ],
-  )
-  assert batch.finish_reason == ['stop', 'length', 'stop', 'length']
-  assert batch.tokens.dtype == np.int32 and batch.logprobs.dtype == np.float32
-  assert batch.mask.dtype == bool
-
-  # On real output: row b·G + g is sample g of prompt b.
-  requests, groups = _group_run()
-  batch = to_rollout_batch(groups, MAX_NEW)
-  assert batch.tokens.shape == (4 * len(requests), MAX_NEW)
-  for b, group in enumerate(groups):
-    for g, comp in enumerate(group):
-      n = len(comp.tokens)
-      np.testing.assert_array_equal(batch.tokens[4 * b + g, :n], comp.tokens)
-      assert batch.mask[4 * b + g].sum() == n and not batch.tokens[4 * b + g, n:].any()
-      assert not batch.logprobs[4 * b + g, n:].any()
 
 
 def test_default_buckets():
@@ -1069,7 +1029,9 @@ def test_replicas_on_eight_devices_equal_one_device():
     assert {s.data.shape[0] for s in leaf.addressable_shards} == {1}
   got = sampler.generate(sparams, requests, group_size=2)
   _assert_same(got, want, logp_atol=1e-5)
-  assert sampler.last_state.page_table.sharding.spec == P('data')
+  # Every replica's pages went back to its own free stack.
+  assert sampler.stats.pages_free_at_end == 8 * (REPLICA_ECFG.num_pages - 1)
+  assert sampler.stats.pages_referenced_at_end == sampler.stats.slots_active_at_end == 0
 
 
 def _decode_flops(replicas, num_slots=64):
@@ -1121,9 +1083,9 @@ def test_compaction_samples_the_same():
   assert plain.stats.decode_rows == 16 * plain.stats.decode_steps
   assert compacted.stats.decode_rows < plain.stats.decode_rows
   for smp in (plain, compacted):
-    st = jax.device_get(smp.last_state)
-    assert st.free_top.tolist() == [ECFG.num_pages - 1] and not st.refcount.any()
-    assert not st.active.any()
+    st = smp.stats
+    assert st.pages_free_at_end == ECFG.num_pages - 1 and st.pages_referenced_at_end == 0
+    assert st.slots_active_at_end == 0
 
 
 def test_the_gpu_kernel_samples_what_the_gather_path_samples():
