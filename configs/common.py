@@ -301,6 +301,9 @@ def sampling_section():
 def sampler_section():
   """The paged sampler: rollouts, and held-out generation of a policy."""
   s = ml_collections.ConfigDict()
+  # 'jrl' (this paged sampler, reading the trainer's parameters in place) or an
+  # import path 'package.module:make_engine' (jrl/trainers/contracts.py: Engine)
+  s.engine = 'jrl'
   s.num_slots = 64  # sequences decoded together
   s.page_size = 8  # tokens per KV page
   s.num_pages = 0  # 0: enough for every slot's worst case

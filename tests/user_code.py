@@ -130,3 +130,46 @@ class NoStep:
 
 def make_env_without_tokenizer():
   return None
+
+
+# Rollout engines (`sampler.engine`) ------------------------------------------------
+
+ENGINES = []  # every engine make_engine made, in order
+
+
+class RecordingEngine:
+  """jrl's paged sampler behind the Engine contract, recording each call."""
+
+  def __init__(self, inner):
+    self.inner = inner
+    self.calls = []  # (requests, group_size, prompts' lengths)
+
+  @property
+  def stats(self):
+    return self.inner.stats
+
+  @property
+  def tracer(self):
+    return self.inner.tracer
+
+  @tracer.setter
+  def tracer(self, tracer):
+    self.inner.tracer = tracer
+
+  def generate(self, params, requests, *, group_size=1, share_prompt=True, on_turn_end=None):
+    self.calls.append((len(requests), group_size))
+    return self.inner.generate(
+      params, requests, group_size=group_size, share_prompt=share_prompt, on_turn_end=on_turn_end
+    )
+
+
+def make_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
+  from jrl.trainers import rollout
+
+  inner = rollout.build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  ENGINES.append(RecordingEngine(inner))
+  return ENGINES[-1]
+
+
+def make_not_an_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
+  return {'generate': None}

@@ -36,6 +36,7 @@ from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, run_step
 from jrl.trainers import checks, common, rollout
+from jrl.trainers.held_out import decode
 from jrl.trainers.setup import seed
 
 # name -> (task with a `demonstration(example, use_tool)`, factory(tokenizer) -> Environment)
@@ -211,13 +212,14 @@ class EpisodeWorker:
     self.vocab_size = res.model.config.vocab_size
     self.tracer = res.tracer
     self.lock = threading.Lock()
-    self.last_errors = []
+    self.last_errors = []  # environment errors are in the episodes' metrics
+    self.last_samples = []  # the latest batch's first group, for the sample log
     spec = environment(config.agent.env)
     self.make_env = spec.make_env
     self.turn_stops = tuple(new_env(spec, res.tokenizer, config.agent.env).turn_stop_tokens)
     # Room for the environment's answers (fed through the decode loop) and
     # for the turn-ending tokens among the stop tokens.
-    self.sampler = rollout.build_sampler(
+    self.sampler = rollout.build_engine(
       config,
       res.model,
       mesh,
@@ -314,6 +316,15 @@ class EpisodeWorker:
     completions = [c for c, _ in flat]
     episodes = [ep for _, ep in flat]
     rewards_np = np.asarray([ep.reward for ep in episodes], np.float32)
+    self.last_samples = [
+      {
+        'prompt': decode(self.tokenizer, requests[0].prompt, ()),
+        'completion': decode(self.tokenizer, c.tokens, self.stop_tokens),
+        'reward': float(ep.reward),
+        'finish_reason': ep.reason,
+      }
+      for c, ep in results[0]
+    ]
     prompts = [r.prompt for r in requests for _ in range(g)]
     batch, old_logp = rollout.pack_completions(
       prompts, completions, self.seq_len, self.tokenizer.pad_id

@@ -18,7 +18,7 @@ from jrl import distributed
 from jrl import losses as L
 from jrl.data import layouts
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import checks, common, memory_plan, rollout, setup, sft, topology
+from jrl.trainers import checks, common, contracts, memory_plan, rollout, setup, sft, topology
 
 
 def check_rl(config, batch_shards):
@@ -144,6 +144,8 @@ def finish(config, res, rollout_mesh, rows, make_worker):
   """(worker, topology). Called last: the worker starts reward processes once
   nothing else in the set-up can fail."""
   worker = make_worker(res, rollout_mesh, rows)
+  if not isinstance(worker, contracts.RolloutWorker):
+    raise TypeError(f'{type(worker).__name__} is no contracts.RolloutWorker')
   return worker, topology.make(config, worker, res, rollout_mesh, checks.iterations(config))
 
 

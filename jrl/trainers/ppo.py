@@ -356,7 +356,7 @@ def build(
     topology=topo,
     shaper=shaper,
     reward_errors=lambda: worker.last_errors,
-    samples=lambda: getattr(worker, 'last_samples', []),
+    samples=lambda: worker.last_samples,
     close=worker.close,
     steps=(warmup, steps),
     memory_plan=plan,

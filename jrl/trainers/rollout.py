@@ -25,11 +25,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jrl import distributed, rewards, sampler
+from jrl import distributed, plugins, rewards, sampler
 from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
-from jrl.trainers import checks, common, topology
+from jrl.trainers import checks, common, contracts, topology
 from jrl.trainers.held_out import HeldOut, decode
 from jrl.trainers.setup import seed
 
@@ -98,12 +98,38 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
     raise ValueError(f'`sampler.replicas`: {e}') from None
 
 
+def build_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
+  """The rollout engine `sampler.engine` names: jrl's paged sampler
+  (`build_sampler`) for 'jrl', else the `contracts.Engine` that the factory
+  at that import path makes from the same arguments. Raises ValueError
+  naming the field when the path does not load or the object is no engine."""
+  name = config.sampler.engine
+  if name == 'jrl':
+    return build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  factory = plugins.load_object(name, '`sampler.engine`')
+  if not callable(factory):
+    raise ValueError(f'`sampler.engine` {name!r}: a {type(factory).__name__} is not a factory.')
+  engine = factory(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  if not isinstance(engine, contracts.Engine):
+    raise ValueError(
+      f'`sampler.engine` {name!r} made a {type(engine).__name__}, which is no engine: it needs '
+      '`generate(params, requests, *, group_size, share_prompt, on_turn_end)`, `stats` and '
+      '`tracer` (jrl.trainers.contracts.Engine).'
+    )
+  return engine
+
+
 DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
 
 
 def check_sampler(config, batch_shards):
   """The `sampler` section against the rollout's groups (a group's samples decode together)."""
   sc, need = config.sampler, checks.need
+  need(
+    sc.engine == 'jrl' or plugins.is_import_path(sc.engine),
+    'sampler.engine',
+    "must be 'jrl' (the paged sampler) or an import path 'package.module:make_engine'.",
+  )
   need(sc.decode_weights in DECODE_WEIGHTS, 'sampler.decode_weights', f'one of {DECODE_WEIGHTS}.')
   need(sc.num_slots % sc.replicas == 0, 'sampler.replicas', 'must divide sampler.num_slots.')
   need(
@@ -261,7 +287,7 @@ def held_out_evaluator(res):
     if not held_out:
       mode = res.config.sampler.decode_weights
       layout.append(topology.decode_shardings(mode, res.mesh, res.model.config, state.params))
-      sampler_ = build_sampler(
+      sampler_ = build_engine(
         res.config, res.model, res.mesh, res.stop_tokens, eval_group_sizes(res.config)
       )
       sampler_.tracer = res.tracer
@@ -317,7 +343,7 @@ class RolloutWorker:
     sizes = (config.rl.group_size,)
     if res.task.held_out:
       sizes += eval_group_sizes(config)
-    self.sampler = build_sampler(config, res.model, mesh, res.stop_tokens, sizes)
+    self.sampler = build_engine(config, res.model, mesh, res.stop_tokens, sizes)
     self.sampler.tracer = res.tracer
     self.held_out = HeldOut(
       config,

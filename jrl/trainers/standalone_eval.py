@@ -199,7 +199,7 @@ def evaluate(config, *, model_path=None, step=None, samples=None, temperature=No
     step, updates, params = restore_params(config, params, mesh, step)
   stop_tokens = tuple(tok.eos_ids)
   tracer = trace.Tracer(enabled=False, pid=jax.process_index())
-  sampler_ = rollout.build_sampler(
+  sampler_ = rollout.build_engine(
     config, model, mesh, stop_tokens, rollout.eval_group_sizes(config)
   )
   held = HeldOut(config, enc, tok, stop_tokens, examples, sampler_, threading.Lock(), tracer)

@@ -1,13 +1,16 @@
-"""Data sources (`task.kind`) and environments (`agent.env`) named by import
-path, from `tests/user_code.py`: they train, every row is checked as a
-prompt file's rows are, and a bad path or a wrong shape names the field."""
+"""Data sources (`task.kind`), environments (`agent.env`) and rollout engines
+(`sampler.engine`) named by import path, from `tests/user_code.py`: they
+train, every row is checked as a prompt file's rows are, the engine is the
+one that generates, and a bad path or a wrong shape names the field."""
+
+import json
 
 import pytest
 
 from jrl import trainers
 from jrl.envs import run_step
 from jrl.models.tokenizer import CharTokenizer
-from jrl.trainers import checks, controller, episodes, tasks
+from jrl.trainers import checks, contracts, controller, episodes, tasks
 from tests import user_code
 from tests.helpers import QUIET, records, shrunk_config
 from tests.trainers.test_agent import agent_config
@@ -15,12 +18,18 @@ from tests.trainers.test_agent import agent_config
 # Data sources ---------------------------------------------------------------------
 
 
-def test_grpo_trains_on_a_data_source_given_by_import_path(tmp_path):
+ENGINE = {'sampler.engine': 'tests.user_code:make_engine'}
+
+
+def test_grpo_trains_on_a_data_source_and_an_engine_given_by_import_path(tmp_path):
+  user_code.ENGINES.clear()
   config = shrunk_config(
     tmp_path,
-    {**QUIET, 'task.kind': 'tests.user_code:make_rows', 'sft.steps': 0, 'rl.steps': 1},
+    {**QUIET, **ENGINE, 'task.kind': 'tests.user_code:make_rows', 'sft.steps': 0, 'rl.steps': 1},
   )
   job = trainers.build(config)
+  (engine,) = user_code.ENGINES  # the rollout worker's, its held-out evaluation's too
+  assert isinstance(engine, contracts.Engine)
   train, held_out = user_code.make_rows(config.task)
   # Rows as a prompt file's: answers become strings, other fields are kept.
   assert job.res.task.train == [{**row, 'answer': str(row['answer'])} for row in train]
@@ -29,6 +38,23 @@ def test_grpo_trains_on_a_data_source_given_by_import_path(tmp_path):
   assert all(row['source'] == 'sums' for row in drawn)
   controller.train(job)
   assert [r['step'] for r in records(tmp_path) if r.get('phase') == 1.0] == [1]
+  # The one RL step's batch came from the engine, G samples per prompt.
+  assert engine.calls == [(config.rl.prompts_per_step, config.rl.group_size)]
+  assert engine.stats.generated_tokens > 0
+
+
+@pytest.mark.parametrize(
+  ('engine', 'match'),
+  [
+    ('vllm', r"`sampler\.engine`.* must be 'jrl' .* or an import path"),
+    ('tests.user_code:no_such_engine', r"`sampler\.engine` '.*': .* has no 'no_such_engine'"),
+    ('tests.user_code:make_not_an_engine', r"`sampler\.engine` '.*' made a dict, which is no"),
+  ],
+)
+def test_bad_engine_names_the_field(tmp_path, engine, match):
+  config = shrunk_config(tmp_path, {**QUIET, 'sampler.engine': engine, 'sft.steps': 0})
+  with pytest.raises(ValueError, match=match):
+    trainers.build(config)
 
 
 M = 'tests.user_code:'
@@ -112,17 +138,28 @@ def test_bad_environment_names_the_field(tmp_path, env, overrides, match):
 
 
 def test_agent_trains_with_an_environment_given_by_import_path(tmp_path):
+  user_code.ENGINES.clear()
   fields = {
+    **ENGINE,
     'agent.env': 'tests.user_code:ShopEnv',
     'task.kind': 'tests.user_code:shop_rows',
     'agent.sft_tool_frac': 1.0,
     'sft.steps': 2,
     'rl.steps': 1,
+    'log.samples_every': 1,
   }
-  trainers.run(agent_config(tmp_path, fields))
+  config = agent_config(tmp_path, fields)
+  trainers.run(config)
   logged = records(tmp_path)
   assert len([r for r in logged if r.get('phase') == 0.0]) == 2  # SFT on ShopEnv.demonstration
   (rl,) = [r for r in logged if r.get('phase') == 1.0]
   for key in ('env/turns', 'env/tool_calls', 'env/tool_use_rate', 'reward/mean'):
     assert key in rl, key
   assert sum(v for k, v in rl.items() if k.startswith('env/finish/')) == pytest.approx(1.0)
+  # The episodes ran on the engine: turns continued through `on_turn_end`.
+  (engine,) = user_code.ENGINES
+  assert (config.rl.prompts_per_step, config.rl.group_size) in engine.calls
+  # The sample log holds the RL batch's first group of episodes.
+  samples = [json.loads(line) for line in open(tmp_path / 'samples.jsonl', encoding='utf-8')]
+  assert len(samples) == config.rl.group_size
+  assert all({'prompt', 'completion', 'reward', 'finish_reason'} <= set(x) for x in samples)

@@ -1,0 +1,75 @@
+"""The contracts between an online trainer and what it drives.
+
+`Engine`: what generates. jrl's paged sampler (`jrl.sampler.Sampler`) is the
+default (`sampler.engine='jrl'`); another engine is a class with these
+members, made by a factory named in config by import path
+(`sampler.engine='package.module:make_engine'`), called as
+`make_engine(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)`
+exactly as `rollout.build_sampler` is (`model`: setup's Model, with its
+graphdef and config; `group_sizes`: the group sizes it will be asked for;
+`engine_overrides`: jrl EngineConfig fields a worker needs, such as room for
+an environment's tokens, which another engine honours or refuses by name).
+
+`RolloutWorker`: what turns the policy's parameters into one batch of scored,
+trainable rows (`rollout.RolloutWorker` for prompt-answer tasks,
+`episodes.EpisodeWorker` for multi-turn environments). The topologies
+(`topology.py`) call `sample`, maybe in a background thread, holding nothing
+but the worker; the controller reads `last_errors` and `last_samples`.
+"""
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Engine(Protocol):
+  """Generates G samples per request, with the logprob of each sampled token.
+
+  `params` is the policy's parameter pytree as the trainer holds it (for
+  jrl's sampler: read in place, never copied); an engine that keeps weights
+  of its own loads them from `params` when they are not the ones it holds.
+  jrl's sampler holds its KV pages only inside `generate`, so nothing of the
+  rollout stays in device memory through the update.
+  """
+
+  stats: Any  # figures of the latest `generate` call (jrl: SamplerStats)
+  tracer: Any  # spans of prefill / decode go here (jrl.trace.Tracer)
+
+  def generate(
+    self,
+    params: Any,
+    requests: Sequence[Any],
+    *,
+    group_size: int = 1,
+    share_prompt: bool = True,
+    on_turn_end: Callable | None = None,
+  ) -> list:
+    """[len(requests)][group_size] jrl.sampler.Completion, in request order:
+    tokens, their logprobs under the distribution sampled from, the finish
+    reason, and for multi-turn (`on_turn_end`) which tokens an environment
+    appended. Each `jrl.sampler.Request` carries its own sampling controls
+    and seed; an engine that cannot honour one raises ValueError naming it."""
+    ...
+
+
+@runtime_checkable
+class RolloutWorker(Protocol):
+  """Produces one training batch per call, from the policy's parameters."""
+
+  lock: threading.Lock  # held around the engine (held-out evaluation takes it too)
+  last_errors: list  # the reward service's first errors of the latest batch
+  last_samples: list  # the latest batch's first group as dicts, for the sample log
+
+  def sample(self, params: Any, iteration: int, version: int | None = None) -> Any:
+    """One batch (`rollout.Rollout`: rows, behaviour logprobs, rewards, the
+    policy version that produced it, metrics), seeded by `iteration`."""
+    ...
+
+  def evaluate(self, params: Any, step: int | None = None) -> dict:
+    """Held-out metrics of `params` (empty when the task has none)."""
+    ...
+
+  def close(self) -> None:
+    """Stops what the worker started (reward processes, writers)."""
+    ...
