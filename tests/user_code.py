@@ -164,9 +164,9 @@ class RecordingEngine:
 
 
 def make_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
-  from jrl.trainers import rollout
+  from jrl.trainers import engines
 
-  inner = rollout.build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  inner = engines.build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
   ENGINES.append(RecordingEngine(inner))
   return ENGINES[-1]
 

@@ -5,7 +5,7 @@ default (`sampler.engine='jrl'`); another engine is a class with these
 members, made by a factory named in config by import path
 (`sampler.engine='package.module:make_engine'`), called as
 `make_engine(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)`
-exactly as `rollout.build_sampler` is (`model`: setup's Model, with its
+exactly as `engines.build_sampler` is (`model`: setup's Model, with its
 graphdef and config; `group_sizes`: the group sizes it will be asked for;
 `engine_overrides`: jrl EngineConfig fields a worker needs, such as room for
 an environment's tokens, which another engine honours or refuses by name).

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jrl import losses as L
 from jrl import parallel
 from jrl.data import PromptStream, read_preference_jsonl
-from jrl.trainers import checks, common, controller, rollout, setup, sft, tasks
+from jrl.trainers import checks, common, controller, engines, held_out, setup, sft, tasks
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
 _REFERENCE_FREE = ('simpo', 'orpo')
@@ -129,7 +129,7 @@ SECTION = checks.Section(
   check,
 )
 # What a DPO run reads besides the shared sections (the sampler: held-out generation).
-SECTIONS = (sft.SECTION, rollout.SAMPLER, SECTION)
+SECTIONS = (sft.SECTION, engines.SAMPLER, SECTION)
 
 
 def pair_source(config, res):
@@ -197,7 +197,7 @@ def build(config):
   state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
   warmup = sft.warmup(res, state)
   steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
-  evaluate, close = rollout.held_out_evaluator(res)
+  evaluate, close = held_out.held_out_evaluator(res)
   packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
 
   def dpo_iteration(state, it):

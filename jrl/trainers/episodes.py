@@ -35,7 +35,7 @@ import numpy as np
 from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, run_step
-from jrl.trainers import checks, common, rollout
+from jrl.trainers import checks, common, engines, rollout
 from jrl.trainers.held_out import decode
 from jrl.trainers.setup import seed
 
@@ -219,7 +219,7 @@ class EpisodeWorker:
     self.turn_stops = tuple(new_env(spec, res.tokenizer, config.agent.env).turn_stop_tokens)
     # Room for the environment's answers (fed through the decode loop) and
     # for the turn-ending tokens among the stop tokens.
-    self.sampler = rollout.build_engine(
+    self.sampler = engines.build_engine(
       config,
       res.model,
       mesh,

@@ -23,10 +23,13 @@ service starts at the first evaluation).
 import json
 import math
 import os
+import threading
 
+import jax
 import numpy as np
 
 from jrl import distributed, evaluation, rewards, sampler
+from jrl.trainers import engines, topology
 from jrl.trainers.setup import seed
 
 EXAMPLES_FILE = 'eval_samples.jsonl'
@@ -165,3 +168,48 @@ class HeldOut:
     if self._scorer is not None:
       self._scorer.close()
       self._scorer = None
+
+
+def held_out_evaluator(res):
+  """`evaluate(state)` for the algorithms without a rollout worker: held-out
+  accuracy with a greedy sampler of its own, built at the first evaluation
+  (never, with `eval.every` = 0 or no held-out examples); returns (evaluate,
+  close). Under fsdp it reads a copy of the parameters in the decode layout,
+  made per evaluation, where `sampler.decode_weights` says so (as a colocated
+  rollout does, `topology.decode_shardings`)."""
+  held_out = []
+  layout = []
+
+  def evaluate(state):
+    if not res.task.held_out:
+      return {}
+    if not held_out:
+      mode = res.config.sampler.decode_weights
+      layout.append(topology.decode_shardings(mode, res.mesh, res.model.config, state.params))
+      sampler_ = engines.build_engine(
+        res.config, res.model, res.mesh, res.stop_tokens, engines.eval_group_sizes(res.config)
+      )
+      sampler_.tracer = res.tracer
+      held_out.append(
+        HeldOut(
+          res.config,
+          res.encoder,
+          res.tokenizer,
+          res.stop_tokens,
+          res.task.held_out,
+          sampler_,
+          threading.Lock(),
+          res.tracer,
+        )
+      )
+    params = state.params
+    if layout[0] is not None:
+      with res.tracer.span('reshard'):
+        params = jax.block_until_ready(jax.device_put(params, layout[0]))
+    return held_out[0].evaluate(params, step=int(state.step))
+
+  def close():
+    for h in held_out:
+      h.close()
+
+  return evaluate, close

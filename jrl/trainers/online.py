@@ -18,7 +18,17 @@ from jrl import distributed
 from jrl import losses as L
 from jrl.data import layouts
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import checks, common, contracts, memory_plan, rollout, setup, sft, topology
+from jrl.trainers import (
+  checks,
+  common,
+  contracts,
+  engines,
+  memory_plan,
+  rollout,
+  setup,
+  sft,
+  topology,
+)
 
 
 def check_rl(config, batch_shards):
@@ -111,7 +121,7 @@ RL = checks.Section(
   check_rl,
 )
 # What every online algorithm reads besides the shared sections.
-SECTIONS = (sft.SECTION, RL, rollout.SAMPLING, rollout.SAMPLER, rollout.REWARD, topology.SECTION)
+SECTIONS = (sft.SECTION, RL, engines.SAMPLING, engines.SAMPLER, rollout.REWARD, topology.SECTION)
 
 
 def start(config, sections=SECTIONS):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jrl import distributed, parallel
 from jrl import losses as L
-from jrl.trainers import checks, common, controller, rollout, setup
+from jrl.trainers import checks, common, controller, engines, held_out, setup
 
 
 def sft_loss(params, graphdef, batch, chunk_size=1024):
@@ -147,7 +147,7 @@ SECTION = checks.Section(
   check,
 )
 # What algorithm 'sft' reads besides the shared sections (the sampler: held-out generation).
-SECTIONS = (SECTION, rollout.SAMPLER)
+SECTIONS = (SECTION, engines.SAMPLER)
 
 
 def build(config):
@@ -156,7 +156,7 @@ def build(config):
   tx, _ = setup.sft_optimizer(config)
   state = setup.new_state(res.params, tx, res.mesh)
   phase = warmup(res, state)
-  evaluate, close = rollout.held_out_evaluator(res)
+  evaluate, close = held_out.held_out_evaluator(res)
   return controller.Job(res, state, phase.iterate, evaluate, close=close, steps=phase)
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jrl import checkpoint, distributed, parallel, trace
 from jrl.data import ANSWER_EXTRACTORS, read_prompts
-from jrl.trainers import checks, rollout, setup, tasks
+from jrl.trainers import checks, engines, setup, tasks
 from jrl.trainers.held_out import EXAMPLES_FILE, HeldOut
 
 # Algorithms whose policy is evaluated on held-out prompts by `HeldOut`; the
@@ -199,8 +199,8 @@ def evaluate(config, *, model_path=None, step=None, samples=None, temperature=No
     step, updates, params = restore_params(config, params, mesh, step)
   stop_tokens = tuple(tok.eos_ids)
   tracer = trace.Tracer(enabled=False, pid=jax.process_index())
-  sampler_ = rollout.build_engine(
-    config, model, mesh, stop_tokens, rollout.eval_group_sizes(config)
+  sampler_ = engines.build_engine(
+    config, model, mesh, stop_tokens, engines.eval_group_sizes(config)
   )
   held = HeldOut(config, enc, tok, stop_tokens, examples, sampler_, threading.Lock(), tracer)
   if out is None:

@@ -1,0 +1,130 @@
+"""The rollout engine, made from config: `sampler.engine` 'jrl' (the paged
+sampler, sized by `sampler.*` and `task.*`) or a `contracts.Engine` from a
+factory named by import path; and the checks of the `sampling` and
+`sampler` sections."""
+
+from jrl import plugins, sampler
+from jrl.trainers import checks, contracts
+
+
+def eval_group_sizes(config):
+  """The group sizes of the held-out evaluation: 1 (greedy) and `eval.samples`."""
+  return (1, int(config.eval.samples)) if config.eval.samples else (1,)
+
+
+def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
+  """A paged sampler for `model` on `mesh`, sized by `sampler.*` and `task.*`
+  (`engine_overrides`: EngineConfig fields, e.g. room for forced tokens).
+
+  With `sampler.num_pages` = 0 the page pool holds every slot's worst case
+  for each of `group_sizes` (default: `rl.group_size`): groups share their
+  prompt pages, so the greedy held-out evaluation (groups of 1) needs more
+  pages per slot than GRPO's groups, and a pool sized for the latter would
+  leave slots idle during it.
+
+  With `sampler.replicas` R > 1 the slots are split into R data-parallel
+  replicas over the mesh's batch axes, each with a pool of its own (sized
+  for its S/R slots); whole groups go to one replica."""
+  tk, sc = config.task, config.sampler
+  sizes = group_sizes or (config.rl.group_size,)
+  per_replica = sc.num_slots // sc.replicas
+  num_pages = sc.num_pages or max(
+    sampler.pool_pages(tk.max_prompt_len, tk.max_response_len, g, sc.page_size, per_replica)
+    for g in sizes
+  )
+  engine_config = sampler.EngineConfig(
+    num_slots=sc.num_slots,
+    num_pages=num_pages,
+    page_size=sc.page_size,
+    max_prompt_len=tk.max_prompt_len,
+    max_new_tokens=tk.max_response_len,
+    max_stop_tokens=max(1, len(stop_tokens)),
+    attention_impl=sc.attention_impl,
+  )._replace(**engine_overrides)
+  try:
+    return sampler.Sampler(
+      model.graphdef,
+      model.config,
+      engine_config,
+      steps_per_dispatch=sc.steps_per_dispatch,
+      mesh=mesh,
+      replicas=sc.replicas,
+    )
+  except ValueError as e:
+    if 'replicas' not in str(e):
+      raise
+    raise ValueError(f'`sampler.replicas`: {e}') from None
+
+
+def build_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
+  """The rollout engine `sampler.engine` names: jrl's paged sampler
+  (`build_sampler`) for 'jrl', else the `contracts.Engine` that the factory
+  at that import path makes from the same arguments. Raises ValueError
+  naming the field when the path does not load or the object is no engine."""
+  name = config.sampler.engine
+  if name == 'jrl':
+    return build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  factory = plugins.load_object(name, '`sampler.engine`')
+  if not callable(factory):
+    raise ValueError(f'`sampler.engine` {name!r}: a {type(factory).__name__} is not a factory.')
+  engine = factory(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  if not isinstance(engine, contracts.Engine):
+    raise ValueError(
+      f'`sampler.engine` {name!r} made a {type(engine).__name__}, which is no engine: it needs '
+      '`generate(params, requests, *, group_size, share_prompt, on_turn_end)`, `stats` and '
+      '`tracer` (jrl.trainers.contracts.Engine).'
+    )
+  return engine
+
+
+DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
+
+
+def check_sampler(config, batch_shards):
+  """The `sampler` section against the rollout's groups (a group's samples decode together)."""
+  sc, need = config.sampler, checks.need
+  need(
+    sc.engine == 'jrl' or plugins.is_import_path(sc.engine),
+    'sampler.engine',
+    "must be 'jrl' (the paged sampler) or an import path 'package.module:make_engine'.",
+  )
+  need(sc.decode_weights in DECODE_WEIGHTS, 'sampler.decode_weights', f'one of {DECODE_WEIGHTS}.')
+  need(sc.num_slots % sc.replicas == 0, 'sampler.replicas', 'must divide sampler.num_slots.')
+  need(
+    batch_shards % sc.replicas == 0,
+    'sampler.replicas',
+    f'must be 1, mesh.data or mesh.data x mesh.fsdp (the batch shards: {batch_shards}).',
+  )
+  if 'rl' in config:
+    need(
+      sc.num_slots // sc.replicas >= config.rl.group_size,
+      'sampler.num_slots',
+      'divided by sampler.replicas must be >= rl.group_size (a group decodes on one replica).',
+    )
+
+
+SAMPLING = checks.Section(
+  'sampling',
+  {
+    'sampling.temperature': checks.positive(),
+    'sampling.top_k': checks.count(0),
+    'sampling.top_p': checks.fraction(lo_open=True),
+    'sampling.min_new_tokens': checks.count(0),
+  },
+  lambda config, batch_shards: checks.need(
+    config.sampling.min_new_tokens <= config.task.max_response_len,
+    'sampling.min_new_tokens',
+    f'must be at most task.max_response_len = {config.task.max_response_len}.',
+  ),
+)
+SAMPLER = checks.Section(
+  'sampler',
+  {
+    'sampler.num_slots': checks.count(1),
+    'sampler.page_size': checks.count(1),
+    'sampler.num_pages': checks.count(2, also=(0,)),  # page 0 is scratch; 0: sized automatically
+    'sampler.steps_per_dispatch': checks.count(1),
+    'sampler.replicas': checks.count(1),
+  },
+  check_sampler,
+)
