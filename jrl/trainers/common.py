@@ -2,6 +2,7 @@
 placement on the mesh), the minibatched forward, and the guarded optimiser
 update that skips non-finite steps."""
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -454,3 +455,26 @@ def apply_gradients(
     'nonfinite': 1.0 - finite.astype(jnp.float32),
   }
   return state._replace(step=state.step + finite.astype(jnp.int32)), metrics
+
+
+def jit_update(steps, model, optim, shardings, micro_batched, additive, token_share):
+  """The jitted update of an algorithm. `steps`: its (train_step,
+  loss_and_grads, apply_update); `model` and `optim`: their keyword
+  arguments. One program, `train_step(state, batch, **model, **optim)`, or
+  with `micro_batched` a MicroBatchedStep (`loss_and_grads(..., **model)`
+  per micro-batch, `apply_update(..., **optim)` once; `additive`,
+  `token_share`: as MicroBatchedStep). The state is donated and the new one
+  laid out as `shardings`."""
+  train_step, loss_and_grads, apply_update = steps
+  if micro_batched:
+    return MicroBatchedStep(
+      jax.jit(functools.partial(loss_and_grads, **model)),
+      jax.jit(
+        functools.partial(apply_update, **optim), donate_argnums=(0,), out_shardings=shardings
+      ),
+      additive,
+      token_share,
+    )
+  return jax.jit(
+    functools.partial(train_step, **model, **optim), donate_argnums=(0,), out_shardings=shardings
+  )

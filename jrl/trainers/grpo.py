@@ -63,31 +63,15 @@ def make_steps(config, res, tx, schedule, shardings, packer=None, remat=None):
   graphdef = res.model.graphdef
   if remat is not None:
     graphdef = memory_plan.with_remat(graphdef, res.params, remat)
-  if packer is not None and packer.budget:
-    # Micro-batches of a token budget: gradients summed, one update.
-    rl_step = common.MicroBatchedStep(
-      jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, cfg=cfg)),
-      jax.jit(
-        functools.partial(policy_step.apply_update, tx=tx, schedule=schedule, accum=accum),
-        donate_argnums=(0,),
-        out_shardings=shardings,
-      ),
-      policy_step.ADDITIVE_METRICS,
-      policy_step.TOKEN_SHARE,
-    )
-  else:
-    rl_step = jax.jit(
-      functools.partial(
-        policy_step.train_step,
-        graphdef=graphdef,
-        tx=tx,
-        schedule=schedule,
-        cfg=cfg,
-        accum=accum,
-      ),
-      donate_argnums=(0,),
-      out_shardings=shardings,
-    )
+  rl_step = common.jit_update(
+    (policy_step.train_step, policy_step.loss_and_grads, policy_step.apply_update),
+    dict(graphdef=graphdef, cfg=cfg),
+    dict(tx=tx, schedule=schedule, accum=accum),
+    shardings,
+    packer is not None and packer.budget,  # micro-batches of a token budget
+    policy_step.ADDITIVE_METRICS,
+    policy_step.TOKEN_SHARE,
+  )
   advantages = jax.jit(
     functools.partial(
       policy_step.advantages, group_size=rl.group_size, cfg=policy_step.advantage_config(rl)

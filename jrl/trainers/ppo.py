@@ -218,22 +218,15 @@ def make_steps(config, res, critic, optimizers, shardings, packer=None, remat=No
     value_clip=config.ppo.value_clip,
   )
   optim = dict(tx=tx, schedule=schedule, critic_tx=critic_tx, critic_schedule=critic_schedule)
-  if packer is not None and packer.budget:
-    # Micro-batches of a token budget: gradients summed, one update each.
-    ppo_step = common.MicroBatchedStep(
-      jax.jit(functools.partial(loss_and_grads, **models_)),
-      jax.jit(
-        functools.partial(apply_update, **optim), donate_argnums=(0,), out_shardings=shardings
-      ),
-      ADDITIVE_METRICS,
-      policy_step.TOKEN_SHARE,
-    )
-  else:
-    ppo_step = jax.jit(
-      functools.partial(train_step, **models_, **optim),
-      donate_argnums=(0,),
-      out_shardings=shardings,
-    )
+  ppo_step = common.jit_update(
+    (train_step, loss_and_grads, apply_update),
+    models_,
+    optim,
+    shardings,
+    packer is not None and packer.budget,  # micro-batches of a token budget
+    ADDITIVE_METRICS,
+    policy_step.TOKEN_SHARE,
+  )
   values = common.with_packer(jax.jit(functools.partial(critic_values, critic_graphdef)), packer)
   gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).

@@ -7,7 +7,6 @@ for training, no reward workers, no topology. Held-out accuracy is measured
 with a greedy sampler of its own, built at the first evaluation.
 """
 
-import functools
 import time
 from typing import Any, NamedTuple
 
@@ -92,22 +91,15 @@ def warmup(res, state, make_batch=response_batch):
   model = dict(graphdef=res.model.graphdef, chunk_size=config.train.chunk_size)
   optim = dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum))
   shardings = setup.step_shardings(state, res.mesh)
-  if packer is not None and packer.budget:
-    # Micro-batches of a token budget: gradients summed, one update.
-    step = common.MicroBatchedStep(
-      jax.jit(functools.partial(loss_and_grads, **model)),
-      jax.jit(
-        functools.partial(apply_update, **optim), donate_argnums=(0,), out_shardings=shardings
-      ),
-      ADDITIVE_METRICS,
-      TOKEN_SHARE,
-    )
-  else:
-    step = jax.jit(
-      functools.partial(train_step, **model, **optim),
-      donate_argnums=(0,),
-      out_shardings=shardings,
-    )
+  step = common.jit_update(
+    (train_step, loss_and_grads, apply_update),
+    model,
+    optim,
+    shardings,
+    packer is not None and packer.budget,  # micro-batches of a token budget
+    ADDITIVE_METRICS,
+    TOKEN_SHARE,
+  )
   step = parallel.on_mesh(res.mesh, step)  # attention kernels per shard
   size = config.sft.batch_size
   rows = distributed.local_rows(res.batch_sharding, size)
