@@ -118,11 +118,8 @@ def check(config, batch_shards=None):
       f'`agent.env` {ac.env!r} has no `demonstration(example, use_tool)` for the SFT '
       'warm-up: give its factory one, or set `sft.steps` = 0.'
     )
-  if config.rl.dynamic_sampling or config.topology.kind == 'one_step_off':
-    raise ValueError(
-      '`rl.dynamic_sampling` and `topology.kind` one_step_off are not supported with '
-      '`algorithm` "agent".'
-    )
+  if config.rl.dynamic_sampling:
+    raise ValueError('`rl.dynamic_sampling` is not supported with `algorithm` "agent".')
 
 
 # The `agent` section: the environment and the episodes' limits.

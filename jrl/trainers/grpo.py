@@ -146,7 +146,9 @@ def build(
     adv = steps.advantages(jnp.asarray(ro.rewards), mask, kl_BxT=kl_reward)
     old_logp, is_weights = ro.old_logp, None
     if topo.staleness:
-      old_logp, is_weights, stale_metrics = proximal(state, ro, it)
+      old_logp, is_weights, stale_metrics = online.proximal(
+        steps.logprobs, state.params, ro, it, res
+      )
       m.update(stale_metrics)
     full = policy_step.PolicyBatch(
       tokens=ro.batch.tokens,
@@ -168,30 +170,6 @@ def build(
     m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
     m['phase'] = 1.0
     return state, m
-
-  def proximal(state, ro, it):
-    """Decoupled PPO: (proximal logprobs, truncated importance weights
-    proximal / behaviour, metrics) for a rollout of an older policy."""
-    if ro.version == it:
-      return ro.old_logp, jnp.ones_like(ro.old_logp), {}
-    with res.tracer.span('proximal'):
-      old_logp = common.minibatched(
-        steps.logprobs, state.params, ro.batch, rl.minibatch_size, res.batch_sharding
-      )
-      jax.block_until_ready(old_logp)
-    is_weights, is_metrics = L.importance_weights(
-      old_logp,
-      ro.old_logp,
-      ro.batch.loss_mask,
-      level='token',
-      mode='truncate',
-      high=config.topology.is_cap,
-    )
-    m = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
-    m['rollout/behaviour_logp_diff_abs'] = float(
-      L.token_mean(jnp.abs(old_logp - ro.old_logp), ro.batch.loss_mask)
-    )
-    return old_logp, is_weights, m
 
   def iterate(state, it):
     return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)

@@ -331,6 +331,35 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   return state, m, time.perf_counter() - start
 
 
+def proximal(logprobs, params, ro, it, res):
+  """Decoupled PPO for a rollout of an older policy (one-step-off): the
+  proximal logprobs (`logprobs`, the run's jitted logprob step, at the
+  current `params`), the truncated importance weights proximal / behaviour
+  (capped at `topology.is_cap`) and their metrics. A rollout of the current
+  version (`ro.version == it`) keeps its behaviour logprobs, weights 1."""
+  if ro.version == it:
+    return ro.old_logp, jnp.ones_like(ro.old_logp), {}
+  config = res.config
+  with res.tracer.span('proximal'):
+    old_logp = common.minibatched(
+      logprobs, params, ro.batch, config.rl.minibatch_size, res.batch_sharding
+    )
+    jax.block_until_ready(old_logp)
+  is_weights, is_metrics = L.importance_weights(
+    old_logp,
+    ro.old_logp,
+    ro.batch.loss_mask,
+    level='token',
+    mode='truncate',
+    high=config.topology.is_cap,
+  )
+  m = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
+  m['rollout/behaviour_logp_diff_abs'] = float(
+    L.token_mean(jnp.abs(old_logp - ro.old_logp), ro.batch.loss_mask)
+  )
+  return old_logp, is_weights, m
+
+
 def advantage_metrics(adv, loss_mask):
   values = distributed.fetch(adv)[distributed.fetch(loss_mask)]
   return {

@@ -51,6 +51,9 @@ class PPOBatch(NamedTuple):
   advantages: jax.Array  # [B, T] float32 (whitened GAE)
   returns: jax.Array  # [B, T] float32 value targets
   old_values: jax.Array  # [B, T] float32 critic values at rollout time
+  # [B, T] float32 importance weights proximal / behaviour for a stale rollout
+  # (one-step-off, `online.proximal`); None: on-policy.
+  is_weights: jax.Array | None = None
   packed: Any = None  # jrl.data.packing.PackedInputs (`train.packing`), else None
 
 
@@ -99,6 +102,7 @@ def loss_and_grads(state, batch, *, graphdef, critic_graphdef, cfg, value_clip):
     batch.old_logp,
     batch.ref_logp,
     batch.advantages,
+    is_weights=batch.is_weights,
     packed=batch.packed,
   )
   loss, metrics, grads = policy_step.loss_and_grads(state, pbatch, graphdef=graphdef, cfg=cfg)
@@ -281,7 +285,8 @@ def build(
   def probe_batch(tokens, mask, loss_mask):
     put = lambda x: common.place_global(x, res.batch_sharding)
     z = put(np.zeros(tokens.shape, np.float32))
-    return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z)
+    is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
+    return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights)
 
   steps, packer, plan = online.planned_steps(
     config,
@@ -315,8 +320,22 @@ def build(
     )
     adv, returns = steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
+    old_logp, is_weights = ro.old_logp, None
+    if topo.staleness:  # decoupled PPO against the current policy, as GRPO's
+      old_logp, is_weights, stale_metrics = online.proximal(
+        steps.logprobs, state.params, ro, it, res
+      )
+      m.update(stale_metrics)
     full = PPOBatch(
-      ro.batch.tokens, ro.batch.mask, mask, ro.old_logp, ro.ref_logp, adv, returns, old_values
+      ro.batch.tokens,
+      ro.batch.mask,
+      mask,
+      old_logp,
+      ro.ref_logp,
+      adv,
+      returns,
+      old_values,
+      is_weights,
     )
     state, um, t_update = online.run_minibatches(
       steps.ppo, state, full, config, it, res.batch_sharding, packer

@@ -31,6 +31,7 @@ from jrl import models, parallel
 from jrl.trainers import checks
 
 KINDS = ('colocated', 'disaggregated', 'one_step_off')
+ONLINE = ('grpo', 'ppo', 'agent')  # the algorithms with a rollout worker
 
 
 # The gathered decode copy may take at most this share of a device's memory
@@ -228,9 +229,9 @@ def check(config, batch_shards):
     "must be 0 for a colocated topology (use 'disaggregated').",
   )
   need(
-    tc.kind != 'one_step_off' or config.algorithm == 'grpo',
+    tc.kind != 'one_step_off' or config.algorithm in ONLINE,
     'topology.kind',
-    "one_step_off runs the GRPO family (algorithm 'grpo') only.",
+    f'one_step_off runs the online algorithms {ONLINE} only (they train on rollouts).',
   )
 
 
