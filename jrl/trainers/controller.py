@@ -57,6 +57,9 @@ class Job(NamedTuple):
   close: Callable = lambda: None  # stops reward workers
   steps: Any = None  # the jitted steps, for benchmarks and tests
   memory_plan: Any = None  # memory_plan.Plan of the update (online algorithms)
+  # The models an iteration updates, as its metrics name them ('sft', 'actor',
+  # 'critic', 'dpo', 'rm'): `skipped_updates` reads which of them skipped theirs.
+  models: tuple = ('sft',)
 
 
 def close(job):
@@ -64,6 +67,13 @@ def close(job):
   if job.topology is not None:
     job.topology.close()
   job.close()
+
+
+def skipped_updates(metrics, models):
+  """The models among `models` whose update this iteration skipped (a
+  non-finite loss or gradient: `common.apply_gradients` reports it as
+  `<model>/nonfinite`), in order; () when every update was applied."""
+  return tuple(name for name in models if metrics.get(f'{name}/nonfinite', 0.0))
 
 
 def mostly_unscored(m, limit, errors):
@@ -204,8 +214,8 @@ def train(job):
       it = progress.iteration = it + 1
       if it == warmup and it < total and job.start_rl is not None:
         state = job.start_rl(state)
-      nonfinite = m.get('actor/nonfinite', m.get('sft/nonfinite', 0.0))
-      progress.nonfinite_run = progress.nonfinite_run + 1 if nonfinite else 0
+      skipped = skipped_updates(m, job.models)
+      progress.nonfinite_run = progress.nonfinite_run + 1 if skipped else 0
       if due(config.eval.every, it):
         m.update(job.evaluate(state))
       writer.write(it, m)
@@ -228,7 +238,8 @@ def train(job):
         checkpointer.wait()  # the last save on disk, with its checksums
         raise RuntimeError(
           f'stopping at iteration {it}: {progress.nonfinite_run} iterations in a row '
-          f'had a non-finite loss or gradient (updates were skipped). '
+          f'had a non-finite loss or gradient (the last skipped the update of '
+          f'{", ".join(skipped)}). '
           f'{checkpointer.describe_latest()}'
         )
       if distributed.any_process(progress.stop_requested) and it < total:

@@ -232,8 +232,6 @@ def build(config):
     m['time/reference'] = t_ref
     m['time/step'] = time.perf_counter() - t_step
     m['phase'] = 1.0
-    # The controller's non-finite bookkeeping reads actor/nonfinite.
-    m['actor/nonfinite'] = m['dpo/nonfinite']
     return state, m
 
   def iterate(state, it):
@@ -246,6 +244,7 @@ def build(config):
     evaluate,
     start_rl=lambda state: new_state(state.params, tx),
     close=close,
+    models=('sft', 'dpo'),
     steps=(warmup, steps),
   )
 

@@ -39,21 +39,6 @@ class Steps(NamedTuple):
   advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None) -> [B, T]
 
 
-def logprobs_fn(config, graphdef, packer=None):
-  """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature
-  (the reference and proximal passes); with a `packer` (common.make_packer)
-  the model runs on packed rows."""
-  logprobs = jax.jit(
-    functools.partial(
-      common.token_logprobs,
-      graphdef,
-      temperature=config.sampling.temperature,
-      chunk_size=config.train.chunk_size,
-    )
-  )
-  return common.with_packer(lambda *args: logprobs(*args)[0], packer)
-
-
 def make_steps(config, res, tx, schedule, shardings, packer=None, remat=None):
   """The Steps of a run; the update's forward with the `remat` policy (None:
   the model's own, `memory_plan.with_remat`)."""
@@ -80,7 +65,7 @@ def make_steps(config, res, tx, schedule, shardings, packer=None, remat=None):
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   return Steps(
     parallel.on_mesh(res.mesh, rl_step),
-    parallel.on_mesh(res.mesh, logprobs_fn(config, res.model.graphdef, packer)),
+    parallel.on_mesh(res.mesh, online.logprobs_fn(config, res.model.graphdef, packer)),
     advantages,
   )
 
@@ -184,6 +169,7 @@ def build(
     shaper=shaper,
     reward_errors=lambda: worker.last_errors,
     samples=lambda: worker.last_samples,
+    models=('sft', 'actor'),
     close=worker.close,
     steps=(warmup, steps),
     memory_plan=plan,

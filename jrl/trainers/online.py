@@ -6,6 +6,7 @@ epochs of an update step.
 Offline algorithms (SFT, DPO, reward model) import nothing from here.
 """
 
+import functools
 import math
 import os
 import time
@@ -329,6 +330,21 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
     if k in results[0]:
       m[k] = float(np.max([u[k] for u in results]))
   return state, m, time.perf_counter() - start
+
+
+def logprobs_fn(config, graphdef, packer=None):
+  """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature
+  (the reference and proximal passes); with a `packer` (common.make_packer)
+  the model runs on packed rows."""
+  logprobs = jax.jit(
+    functools.partial(
+      common.token_logprobs,
+      graphdef,
+      temperature=config.sampling.temperature,
+      chunk_size=config.train.chunk_size,
+    )
+  )
+  return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
 def proximal(logprobs, params, ro, it, res):

@@ -31,7 +31,6 @@ from jrl.trainers import (
   checks,
   common,
   controller,
-  grpo,
   memory_plan,
   online,
   policy_step,
@@ -236,7 +235,7 @@ def make_steps(config, res, critic, optimizers, shardings, packer=None, remat=No
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   return Steps(
     parallel.on_mesh(res.mesh, ppo_step),
-    parallel.on_mesh(res.mesh, grpo.logprobs_fn(config, res.model.graphdef, packer)),
+    parallel.on_mesh(res.mesh, online.logprobs_fn(config, res.model.graphdef, packer)),
     parallel.on_mesh(res.mesh, values),
     gae,
   )
@@ -369,6 +368,7 @@ def build(
     shaper=shaper,
     reward_errors=lambda: worker.last_errors,
     samples=lambda: worker.last_samples,
+    models=('sft', 'actor', 'critic'),
     close=worker.close,
     steps=(warmup, steps),
     memory_plan=plan,

@@ -212,7 +212,6 @@ def build(config):
     m['time/update'] = time.perf_counter() - start
     m['time/step'] = time.perf_counter() - t_step
     m['phase'] = 1.0
-    m['actor/nonfinite'] = m['rm/nonfinite']
     return state, m
 
   def evaluate(state):
@@ -229,7 +228,7 @@ def build(config):
       'eval/reward_mean': float(np.mean(np.concatenate([chosen, rejected]))),
     }
 
-  return controller.Job(res, state, iterate, evaluate, steps=steps)
+  return controller.Job(res, state, iterate, evaluate, steps=steps, models=('sft', 'rm'))
 
 
 def run(config):

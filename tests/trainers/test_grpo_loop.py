@@ -271,7 +271,7 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
   capture(monkeypatch, grpo, 'make_steps', keep_last_state)
   config = shrunk_config(tmp_path, {**QUIET, 'max_nonfinite_steps': 2})
   ckdir = os.path.join(str(tmp_path), 'checkpoints')
-  with pytest.raises(RuntimeError, match='non-finite') as info:
+  with pytest.raises(RuntimeError, match=r'non-finite .* skipped the update of actor\)') as info:
     trainers.run(config)
   (state,) = last
   assert ckdir in str(info.value)
@@ -291,6 +291,14 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
   # Both RL updates were skipped: the state after them is the checkpointed one.
   assert int(state.step) == 0
   assert_trees_equal(state, saved)
+
+
+def test_skipped_updates_reads_every_model_the_job_updates():
+  """A PPO critic whose update is skipped counts as a skipped iteration."""
+  m = {'actor/nonfinite': 0.0, 'critic/nonfinite': 1.0, 'sft/nonfinite': 0.0}
+  assert controller.skipped_updates(m, ('sft', 'actor', 'critic')) == ('critic',)
+  assert controller.skipped_updates(m, ('sft', 'actor')) == ()
+  assert controller.skipped_updates({'dpo/nonfinite': 1.0}, ('sft', 'dpo')) == ('dpo',)
 
 
 def _toy_state():
