@@ -4,7 +4,8 @@ Every config has the run's own fields (algorithm, seed, workdir, ...) and the
 sections every algorithm reads: `mesh`, `model`, `task` (the examples and
 their lengths), `train` (how a batch goes through the model), `optim`,
 `eval`, `checkpoint` and `log`. Each algorithm adds only the sections it
-reads (`SECTIONS`): the online ones (grpo, ppo, agent) the rollout sections
+reads (`sections(algorithm)`: the names of the sections its record in
+`jrl.trainers` checks): the online ones (grpo, ppo, agent) the rollout sections
 `rl`, `sampling`, `sampler`, `reward` and `topology` and an `sft` warm-up; dpo and sft a
 `sampler` for held-out generation; the reward model none. Each section is
 checked by the code that reads it (see `jrl.trainers.checks`).
@@ -378,15 +379,21 @@ def topology_section():
 # `sft.steps` (a warm-up, or the whole of `sft`) plus its own section's `steps`
 # (`rl`, `dpo` or `rm`; `jrl.trainers.setup.iterations`).
 SHARED = ('mesh', 'model', 'task', 'train', 'optim', 'eval', 'checkpoint', 'log')
-ROLLOUT = ('rl', 'sampling', 'sampler', 'reward', 'topology')
-SECTIONS = {
-  'grpo': ('sft', *ROLLOUT),
-  'ppo': ('sft', *ROLLOUT, 'ppo'),
-  'agent': ('sft', *ROLLOUT, 'agent'),
-  'dpo': ('sft', 'sampler', 'dpo'),
-  'sft': ('sft', 'sampler'),
-  'reward_model': ('rm',),
-}
+
+
+def algorithms():
+  """The algorithms jrl registers (`jrl.trainers.ALGORITHMS`)."""
+  from jrl import trainers  # the algorithms' records; imported when a config is made
+
+  return trainers.ALGORITHMS
+
+
+def sections(algorithm):
+  """The sections a config of `algorithm` holds besides `SHARED`, in order:
+  those its `jrl.trainers` record reads."""
+  if algorithm not in algorithms():
+    raise ValueError(f'unknown algorithm {algorithm!r}: one of {tuple(algorithms())}.')
+  return tuple(section.name for section in algorithms()[algorithm].sections)
 
 
 def section(name):
@@ -397,8 +404,7 @@ def section(name):
 def base(algorithm='grpo'):
   """An unlocked config of `algorithm`: the run's fields, `SHARED`, and the
   algorithm's sections, all at their defaults."""
-  if algorithm not in SECTIONS:
-    raise ValueError(f'unknown algorithm {algorithm!r}: one of {tuple(SECTIONS)}.')
+  own = sections(algorithm)
   c = ml_collections.ConfigDict()
   # 'grpo' (GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft' | 'reward_model' | 'agent'
   c.algorithm = algorithm
@@ -408,7 +414,7 @@ def base(algorithm='grpo'):
   # write workdir/hf_export (safetensors) at the end; with LoRA also hf_export/adapter (PEFT)
   c.export_hf = False
   c.max_nonfinite_steps = 5  # stop after this many iterations in a row with skipped updates
-  for name in SHARED + SECTIONS[algorithm]:
+  for name in SHARED + own:
     c[name] = section(name)
   return c
 

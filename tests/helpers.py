@@ -45,7 +45,7 @@ def shrunk_config(workdir, overrides=None):
   fields = {'workdir': str(workdir), **(overrides or {})}
   config = grpo_arith.get_config('smoke')
   algorithm = fields.pop('algorithm', config.algorithm)
-  if algorithm in config_common.SECTIONS and algorithm != config.algorithm:
+  if algorithm in config_common.algorithms() and algorithm != config.algorithm:
     config = config_common.derive(config, algorithm)
     config.lock()
     config = config_common.variant(config, 'smoke')

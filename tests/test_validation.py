@@ -147,7 +147,7 @@ def test_every_config_holds_the_sections_its_algorithm_reads_and_no_others(name)
   its algorithm reads, and each is checked by the module that reads it."""
   config = default_config(name)
   sections = {k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)}
-  read = set(checks.SHARED) | {s.name for s in trainers.SECTIONS[config.algorithm](config)}
+  read = set(checks.SHARED) | {s.name for s in trainers.sections_read(config)}
   assert sections == read, (sections - read, read - sections)
   if config.algorithm in ('sft', 'dpo', 'reward_model'):
     assert not sections & {'rl', 'reward', 'topology'}

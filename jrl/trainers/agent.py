@@ -9,7 +9,7 @@ composed in, not inherited: the rollout worker is the episode runner
 tool-use demonstrations (`episodes.demonstration_batch`).
 """
 
-from jrl.trainers import controller, episodes, grpo, ppo
+from jrl.trainers import checks, episodes, grpo, ppo
 
 TRAINERS = {'grpo': grpo.build, 'ppo': ppo.build}
 # What an agent run reads besides the shared sections (with `agent.trainer='ppo'`
@@ -38,5 +38,6 @@ def build(config):
   )
 
 
-def run(config):
-  return controller.train(build(config))
+ALGORITHM = checks.register(
+  checks.Algorithm('agent', build, SECTIONS, steps_section='rl', online=True, reads=sections)
+)

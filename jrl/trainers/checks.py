@@ -128,8 +128,6 @@ FIELDS = {
   'log.samples_every': count(0),
 }
 SHARED = ('mesh', 'model', 'task', 'train', 'optim', 'eval', 'checkpoint', 'log')
-# The section holding each algorithm's own iteration count (after `sft.steps`).
-STEPS_SECTION = {'grpo': 'rl', 'ppo': 'rl', 'agent': 'rl', 'dpo': 'dpo', 'reward_model': 'rm'}
 
 
 class Section(NamedTuple):
@@ -138,6 +136,41 @@ class Section(NamedTuple):
   name: str  # the section's key in the config ('rl', 'sampler', ...)
   fields: dict  # dotted field -> Range, its numeric fields
   check: Callable | None = None  # (config, batch_shards) -> None; raises ValueError
+
+
+class Algorithm(NamedTuple):
+  """One algorithm as the rest of jrl reads it: the registry
+  (`trainers.build` / `run`), the checks, `configs.common` (a config holds
+  the shared sections and these) and the topologies. A new algorithm is a
+  module that registers one (`register`), imported by trainers/__init__.py,
+  and its config (docs/new_algorithm.md)."""
+
+  name: str  # config.algorithm
+  build: Callable  # config -> controller.Job, set up (every config error raised), not run
+  sections: tuple  # the Sections it reads besides the shared ones; their names: its config's
+  steps_section: str | None = None  # whose `steps` counts its iterations after `sft.steps`
+  online: bool = False  # trains on its own rollouts: every `topology.kind` applies
+  reads: Callable | None = None  # config -> the Sections a run of `config` reads (`sections`)
+
+  def sections_read(self, config):
+    return self.reads(config) if self.reads else self.sections
+
+
+REGISTRY = {}  # name -> Algorithm, each added as its module is imported
+
+
+def register(algorithm):
+  """Adds `algorithm` to the registry; returns it."""
+  REGISTRY[algorithm.name] = algorithm
+  return algorithm
+
+
+def algorithm(config):
+  """The registered Algorithm of `config.algorithm`; ValueError naming the field."""
+  name = config.algorithm
+  if name not in REGISTRY:
+    raise ValueError(f'`algorithm` must be one of {tuple(REGISTRY)}, got {name!r}.')
+  return REGISTRY[name]
 
 
 def need(cond, field, msg):
@@ -149,7 +182,8 @@ def need(cond, field, msg):
 def iterations(config):
   """A run's iterations: `sft.steps` (a warm-up, or the whole of algorithm
   'sft') plus the algorithm's own steps (`rl.steps`, `dpo.steps`, `rm.steps`)."""
-  own = STEPS_SECTION.get(config.algorithm)
+  record = REGISTRY.get(config.algorithm)
+  own = record.steps_section if record else None
   warmup = config.sft.steps if 'sft' in config else 0
   return warmup + (config[own].steps if own and own in config else 0)
 

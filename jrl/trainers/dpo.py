@@ -249,5 +249,4 @@ def build(config):
   )
 
 
-def run(config):
-  return controller.train(build(config))
+ALGORITHM = checks.register(checks.Algorithm('dpo', build, SECTIONS, steps_section='dpo'))

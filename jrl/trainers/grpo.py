@@ -28,7 +28,17 @@ import numpy as np
 
 from jrl import losses as L
 from jrl import parallel
-from jrl.trainers import common, controller, memory_plan, online, policy_step, rollout, setup, sft
+from jrl.trainers import (
+  checks,
+  common,
+  controller,
+  memory_plan,
+  online,
+  policy_step,
+  rollout,
+  setup,
+  sft,
+)
 
 
 class Steps(NamedTuple):
@@ -176,5 +186,6 @@ def build(
   )
 
 
-def run(config):
-  return controller.train(build(config))
+ALGORITHM = checks.register(
+  checks.Algorithm('grpo', build, SECTIONS, steps_section='rl', online=True)
+)

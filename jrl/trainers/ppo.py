@@ -375,5 +375,6 @@ def build(
   )
 
 
-def run(config):
-  return controller.train(build(config))
+ALGORITHM = checks.register(
+  checks.Algorithm('ppo', build, SECTIONS, steps_section='rl', online=True)
+)

@@ -231,5 +231,4 @@ def build(config):
   return controller.Job(res, state, iterate, evaluate, steps=steps, models=('sft', 'rm'))
 
 
-def run(config):
-  return controller.train(build(config))
+ALGORITHM = checks.register(checks.Algorithm('reward_model', build, SECTIONS, steps_section='rm'))

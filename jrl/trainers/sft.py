@@ -152,5 +152,4 @@ def build(config):
   return controller.Job(res, state, phase.iterate, evaluate, close=close, steps=phase)
 
 
-def run(config):
-  return controller.train(build(config))
+ALGORITHM = checks.register(checks.Algorithm('sft', build, SECTIONS))

@@ -31,7 +31,6 @@ from jrl import models, parallel
 from jrl.trainers import checks
 
 KINDS = ('colocated', 'disaggregated', 'one_step_off')
-ONLINE = ('grpo', 'ppo', 'agent')  # the algorithms with a rollout worker
 
 
 # The gathered decode copy may take at most this share of a device's memory
@@ -228,10 +227,11 @@ def check(config, batch_shards):
     'topology.rollout_devices',
     "must be 0 for a colocated topology (use 'disaggregated').",
   )
+  online = tuple(name for name, a in checks.REGISTRY.items() if a.online)
   need(
-    tc.kind != 'one_step_off' or config.algorithm in ONLINE,
+    tc.kind != 'one_step_off' or config.algorithm in online,
     'topology.kind',
-    f'one_step_off runs the online algorithms {ONLINE} only (they train on rollouts).',
+    f'one_step_off runs the online algorithms {online} only (they train on rollouts).',
   )
 
 

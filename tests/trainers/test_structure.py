@@ -5,6 +5,7 @@ workers and no topology.
 
 import pytest
 
+from configs import common as config_common
 from configs import dpo_arith, sft_arith
 from jrl import rewards, sampler, trainers
 from jrl.rewards import server
@@ -23,16 +24,50 @@ from jrl.trainers import (
 from tests.helpers import QUIET, records, set_fields, shrunk_config
 
 
-def test_registry_maps_every_algorithm_to_its_run():
-  assert trainers.ALGORITHMS == {
-    'grpo': grpo.run,
-    'ppo': ppo.run,
-    'dpo': dpo.run,
-    'sft': sft.run,
-    'reward_model': reward_model.run,
-    'agent': agent.run,
+def test_registry_holds_one_record_per_algorithm():
+  modules = {
+    'grpo': grpo,
+    'ppo': ppo,
+    'dpo': dpo,
+    'sft': sft,
+    'reward_model': reward_model,
+    'agent': agent,
   }
-  assert set(trainers.BUILDERS) == set(trainers.ALGORITHMS)
+  assert set(trainers.ALGORITHMS) == set(modules)
+  for name, module in modules.items():
+    record = trainers.ALGORITHMS[name]
+    assert record is module.ALGORITHM and record.name == name and record.build is module.build
+  assert {n for n, a in trainers.ALGORITHMS.items() if a.online} == {'grpo', 'ppo', 'agent'}
+  steps = {n: a.steps_section for n, a in trainers.ALGORITHMS.items()}
+  assert steps == {
+    'grpo': 'rl',
+    'ppo': 'rl',
+    'agent': 'rl',
+    'dpo': 'dpo',
+    'reward_model': 'rm',
+    'sft': None,
+  }
+
+
+def test_a_new_algorithm_is_one_registered_record(tmp_path, monkeypatch):
+  """What the configs, the checks and the topologies know of an algorithm
+  comes from its record: a registered one gets a config and its checks."""
+  record = checks.Algorithm('sft_again', sft.build, sft.SECTIONS)
+  monkeypatch.setitem(checks.REGISTRY, record.name, record)
+  config = config_common.base('sft_again')
+  assert {k for k, v in config.items() if hasattr(v, 'items')} == {
+    *checks.SHARED,
+    'sft',
+    'sampler',
+  }
+  config.workdir = str(tmp_path)
+  trainers.validate(config)
+  assert checks.iterations(config) == config.sft.steps
+  config.sampler.num_slots = 0
+  with pytest.raises(ValueError, match=r'`sampler\.num_slots`'):
+    trainers.validate(config)
+  with pytest.raises(ValueError, match="unknown algorithm 'dqn'"):
+    config_common.base('dqn')
 
 
 def test_unknown_algorithm_names_the_field(tmp_path):
