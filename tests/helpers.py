@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from configs import common as config_common
 from configs import grpo_arith
 from jrl.metrics import read_jsonl
+from jrl.trainers import common, ppo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,3 +241,13 @@ def human_eval_verdicts(problems, completions, timeout=5.0):
     check=True,
   )
   return json.loads(done.stdout)
+
+
+# The trainer's forwards, jitted as the trainer runs them: the layout tests call
+# them many times, and op by op they run several times slower than compiled.
+jit_token_logprobs = jax.jit(
+  common.token_logprobs,
+  static_argnums=0,
+  static_argnames=('temperature', 'chunk_size', 'with_entropy', 'with_router_loss'),
+)
+jit_critic_values = jax.jit(ppo.critic_values, static_argnums=0)

@@ -13,6 +13,7 @@ import pytest
 from jrl import models
 from jrl.data import layouts
 from jrl.trainers import common, policy_step, ppo
+from tests.helpers import jit_critic_values, jit_token_logprobs
 
 TINY = models.ModelConfig(
   vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -77,12 +78,12 @@ def test_shared_prompt_rows_hold_each_prompt_once():
 def test_logprobs_and_entropies_equal_the_padded_forward(model, kind, budget):
   graphdef, params = model
   tokens, mask, loss_mask = group_batch()
-  want = common.token_logprobs(graphdef, params, tokens, mask, with_entropy=True)
+  want = jit_token_logprobs(graphdef, params, tokens, mask, with_entropy=True)
   parts = parts_of(kind, budget, tokens, mask, loss_mask)
   assert (len(parts) > 1) == bool(budget)
   got = None
   for part in parts:
-    out = common.token_logprobs(graphdef, params, tokens, mask, part, with_entropy=True)
+    out = jit_token_logprobs(graphdef, params, tokens, mask, part, with_entropy=True)
     got = out if got is None else tuple(a + b for a, b in zip(got, out, strict=True))
   for have, ref in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(have)[loss_mask], np.asarray(ref)[loss_mask], atol=1e-5)
@@ -101,12 +102,12 @@ def test_a_branch_sees_its_prompt_and_never_another_branch(model):
   graphdef, params = model
   tokens, mask, loss_mask = group_batch(seed=1)
   (part,) = parts_of('shared_prompt', 0, tokens, mask, loss_mask)
-  base, _ = common.token_logprobs(graphdef, params, tokens, mask, part)
+  base, _ = jit_token_logprobs(graphdef, params, tokens, mask, part)
   changed = tokens.copy()
   victim = 5  # a completion of the second prompt
   changed[victim, loss_mask[victim]] = (changed[victim, loss_mask[victim]] + 7) % TINY.vocab_size
   (part2,) = parts_of('shared_prompt', 0, changed, mask, loss_mask)
-  logp, _ = common.token_logprobs(graphdef, params, changed, mask, part2)
+  logp, _ = jit_token_logprobs(graphdef, params, changed, mask, part2)
   others = loss_mask.copy()
   others[victim] = False
   np.testing.assert_array_equal(np.asarray(logp)[others], np.asarray(base)[others])
@@ -131,7 +132,7 @@ def test_policy_loss_and_gradients_equal_the_padded_minibatch(model, name, kind,
   tokens, mask, loss_mask = group_batch(seed=2)
   b = tokens.shape[0]
   rng = np.random.default_rng(3)
-  logp, _ = common.token_logprobs(graphdef, params, tokens, mask)
+  logp, _ = jit_token_logprobs(graphdef, params, tokens, mask)
   near = lambda: jnp.asarray(
     np.where(loss_mask, np.asarray(logp) + rng.normal(0, 0.1, (b, T)), 0), jnp.float32
   )
@@ -167,9 +168,9 @@ def test_policy_loss_and_gradients_equal_the_padded_minibatch(model, name, kind,
 def test_critic_values_and_value_loss_equal_the_padded_ones(kind, budget):
   graphdef, params = models.create(TINY, jax.random.PRNGKey(5), lm_head=False, scalar_head=True)
   tokens, mask, loss_mask = group_batch(seed=4)
-  want = ppo.critic_values(graphdef, params, tokens, mask)
+  want = jit_critic_values(graphdef, params, tokens, mask)
   parts = parts_of(kind, budget, tokens, mask, loss_mask)
-  got = sum(ppo.critic_values(graphdef, params, tokens, mask, p) for p in parts)
+  got = sum(jit_critic_values(graphdef, params, tokens, mask, p) for p in parts)
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], atol=1e-5)
   b = tokens.shape[0]
   rng = np.random.default_rng(6)
@@ -184,7 +185,7 @@ def test_critic_values_and_value_loss_equal_the_padded_ones(kind, budget):
     f32(rng.normal(size=(b, T))),
     f32(np.asarray(want) + rng.normal(0, 0.1, (b, T))),
   )
-  grad = jax.value_and_grad(ppo.value_loss_fn, has_aux=True)
+  grad = jax.jit(jax.value_and_grad(ppo.value_loss_fn, has_aux=True), static_argnums=(1, 3))
   (loss, _), grads = grad(params, graphdef, batch, 0.2)
   total, summed = 0.0, None
   for part in parts:

@@ -24,7 +24,7 @@ from configs import dpo_arith
 from jrl import models, trainers
 from jrl.data import packing
 from jrl.trainers import common, dpo, policy_step, ppo, reward_model, sft
-from tests.helpers import set_fields, shrunk_config
+from tests.helpers import jit_critic_values, jit_token_logprobs, set_fields, shrunk_config
 
 TINY = models.ModelConfig(
   vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -71,8 +71,8 @@ def test_packed_logprobs_and_entropies_equal_the_padded_ones(model, name):
   tokens, mask, _ = make_batch(lengths, prompts, 24)
   packed = device_packed(tokens, mask, 24)
   assert packed.tokens.shape[0] < len(lengths) or name == 'all_full'
-  padded = common.token_logprobs(graphdef, params, tokens, mask, with_entropy=True)
-  got = common.token_logprobs(graphdef, params, tokens, mask, packed, with_entropy=True)
+  padded = jit_token_logprobs(graphdef, params, tokens, mask, with_entropy=True)
+  got = jit_token_logprobs(graphdef, params, tokens, mask, packed, with_entropy=True)
   for want, have in zip(padded, got, strict=True):
     np.testing.assert_allclose(np.asarray(have)[mask], np.asarray(want)[mask], atol=1e-5)
     # Off the sequences the packed values are 0; the first token has no prediction.
@@ -104,9 +104,9 @@ def test_sliding_windows_count_from_the_segment_start():
   config = dataclasses.replace(TINY, sliding_window=3)
   graphdef, params = models.create(config, jax.random.PRNGKey(2))
   tokens, mask, _ = make_batch([9, 6, 8], [1, 1, 1], 24, seed=2)
-  padded, _ = common.token_logprobs(graphdef, params, tokens, mask)
+  padded, _ = jit_token_logprobs(graphdef, params, tokens, mask)
   packed = device_packed(tokens, mask, 24)
-  got, _ = common.token_logprobs(graphdef, params, tokens, mask, packed)
+  got, _ = jit_token_logprobs(graphdef, params, tokens, mask, packed)
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(padded)[mask], atol=1e-5)
 
 
@@ -146,7 +146,7 @@ def test_policy_loss_and_gradients_are_the_same_packed_and_padded(model, name):
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   # Behaviour and reference logprobs near the policy's, so some ratios fall
   # inside the clip range; advantages of both signs.
-  logp, _ = common.token_logprobs(graphdef, params, tokens, mask)
+  logp, _ = jit_token_logprobs(graphdef, params, tokens, mask)
   near = lambda: f32(np.where(loss_mask, np.asarray(logp) + rng.normal(0.0, 0.1, (b, 24)), 0.0))
   old_logp, ref_logp = near(), near()
   signs = np.where(np.arange(b) % 2 == 0, 1.0, -1.0)[:, None]
@@ -293,7 +293,7 @@ def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_row
   assert len(with_tools) >= 2
   for row in with_tools:
     loss_mask[row, prompts[row] + 1 : prompts[row] + 3] = False  # two environment tokens
-  logp, _ = common.token_logprobs(graphdef, params, tokens, mask)
+  logp, _ = jit_token_logprobs(graphdef, params, tokens, mask)
   rng = np.random.default_rng(10)
   f32 = lambda x: jnp.asarray(np.where(loss_mask, x, 0.0), jnp.float32)
   batch = policy_step.PolicyBatch(
@@ -345,8 +345,8 @@ def test_critic_values_and_value_loss_are_the_same_packed_and_padded(batch_name)
   lengths, prompts = BATCHES[batch_name]
   tokens, mask, loss_mask = make_batch(lengths, prompts, 24, seed=6)
   packed = device_packed(tokens, mask, 24)
-  want = ppo.critic_values(graphdef, params, tokens, mask)
-  got = ppo.critic_values(graphdef, params, tokens, mask, packed)
+  want = jit_critic_values(graphdef, params, tokens, mask)
+  got = jit_critic_values(graphdef, params, tokens, mask, packed)
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], atol=1e-5)
   assert not np.asarray(got)[:, 0].any()
   rng = np.random.default_rng(7)
@@ -378,7 +378,7 @@ def test_critic_values_and_value_loss_are_the_same_packed_and_padded(batch_name)
 
 
 def assert_same_loss_and_grads(loss_fn, params, padded, packed):
-  grad = jax.value_and_grad(loss_fn, has_aux=True)
+  grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   (loss, _), grads = grad(params, padded)
   (loss_p, _), grads_p = grad(params, packed)
   np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-5, atol=1e-6)
