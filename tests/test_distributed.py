@@ -1,7 +1,8 @@
 """Multi-host JAX: `jrl.distributed`, `launch/local.py`, and a GRPO run on two
 processes of 4 fake CPU devices each, against one process with 8.
 
-The two-process runs are real `jax.distributed` jobs (a coordinator, gloo
+The two-process runs (marked `slow`: `pytest -m slow` runs them, about
+three minutes) are real `jax.distributed` jobs (a coordinator, gloo
 collectives, one global 8-device mesh); what differs from the one-process
 run is only how the all-reduces are carried out, so parameters agree to
 float rounding, and sampled tokens and rewards exactly. The second
@@ -205,6 +206,7 @@ def exported(workdir):
   return load_file(f'{workdir}/hf_export/model.safetensors')
 
 
+@pytest.mark.slow
 def test_two_processes_ran_on_one_global_mesh(two_process_runs):
   r = two_process_runs
   assert r['pair_rc'] == 0, r['pair_log'][-3000:]
@@ -213,6 +215,7 @@ def test_two_processes_ran_on_one_global_mesh(two_process_runs):
   assert steps == list(range(1, TOTAL + 1))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_eight_devices(two_process_runs):
   r = two_process_runs
   pair, single = exported(r['pair']), exported(r['single'])
@@ -232,6 +235,7 @@ def test_two_processes_match_one_process_with_eight_devices(two_process_runs):
   assert any(rec.get('actor/grad_norm', 0) > 0 for rec in single_records)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_collectively_and_the_pair_resumes_exactly(two_process_runs):
   r = two_process_runs
   assert r['stop_rc'] == 0, r['stop_log'][-3000:]
