@@ -9,9 +9,11 @@ tensor-parallel degrees, micro-batch rows).
 
 Stage times come from `Coefficients`: the roofline of the hardware
 (`Coefficients.from_hardware`) or fitted to the spans of a measured run
-(`calibrate`). Generation is simulated slot by slot the way `jrl.sampler`
-schedules it (`simulate_generation`), so the long tail of response lengths
-costs what it costs the real sampler; the training passes cost the tokens
+(`calibrate`). Generation is simulated slot by slot by the sampler's own
+scheduler (`simulate_generation` drives `jrl.sampler.Scheduler` on the
+host: admissions within the page pool, the rows of each dispatch, the page
+bound), so the long tail of response lengths costs what it costs the real
+sampler; the training passes cost the tokens
 they run (`tokens_run`: padded rows, or rows packed as the trainer packs
 them), so packing pays what it pays the real trainer.
 
@@ -26,7 +28,7 @@ Step composition by topology (stages in seconds):
   sides still adds up, so only host time (dispatch, reward scoring)
   overlaps.
 
-Everything here is arithmetic on floats: no JAX computation, no devices.
+Everything here is arithmetic on the host: no JAX computation, no devices.
 
 Modules: `hardware` (chips), `model` (presets, FLOPs and bytes per token),
 `workload` (Workload, Layout, tokens_run), `memory`, `coefficients`

@@ -1,59 +1,79 @@
 """Generation simulated slot by slot, and the stage and step times of one RL step."""
 
 import dataclasses
-import math
+
+import numpy as np
 
 from jrl.costmodel.workload import tokens_run
+from jrl.sampler.pages import attend_pages, pool_pages
+from jrl.sampler.requests import Request
+from jrl.sampler.scheduler import Scheduler
+from jrl.sampler.state import LENGTH, EngineConfig
 
 
 def simulate_generation(workload, lengths=None, early_exit=True):
   """The sampler's schedule for one step: (prefills, [(steps, page bound,
   rows)] per dispatch).
 
-  Mirrors `jrl.sampler.Sampler.generate`: groups admitted in order while G
-  slots are free; each dispatch decodes the occupied slots, gathered into
-  the power of two of rows that holds them (every slot when that is not
-  fewer), for up to
-  `steps_per_dispatch` steps, ending early once no slot is live or, with
-  `early_exit` (the sampler's one-replica case), once at most half its rows
-  are; slots that finished are freed at the dispatch
-  boundary; the page bound is the most pages any slot can hold after the
-  dispatch, rounded up to a power of two (at most the per-slot maximum), as
-  `attend_pages`.
+  The sampler's own bookkeeping decides: `jrl.sampler.Scheduler` admits the
+  groups (in order, while a replica has G free slots and room in its page
+  pool, sized as `sampler.num_pages` = 0 sizes it), picks the rows a
+  dispatch decodes (`decode_index`: the occupied slots, gathered into a power
+  of two of rows, or every slot) and retires finished samples;
+  `attend_pages` gives the page bound. What runs on the device is played
+  here: each occupied slot decodes until its completion of `lengths` tokens
+  is done, for at most `steps_per_dispatch` steps, the dispatch ending early
+  once no slot is live or, with `early_exit` (the sampler's one-replica
+  case), once at most half its rows are.
   """
   w = workload
   lengths = list(workload.response_lengths() if lengths is None else lengths)
-  g, s, k, page = w.group_size, w.num_slots, w.steps_per_dispatch, w.page_size
-  prompt = w.prompt_len
-  max_pages = math.ceil(((w.max_prompt_len or prompt) + w.response_max) / page)
-  pending = list(range(w.prompts_per_step))
-  free, running = s, []  # running: [remaining tokens, tokens held]
+  g, k = w.group_size, w.steps_per_dispatch
+  max_prompt = w.max_prompt_len or w.prompt_len
+  cfg = EngineConfig(
+    num_slots=w.num_slots,
+    num_pages=pool_pages(max_prompt, w.response_max, g, w.page_size, w.num_slots),
+    page_size=w.page_size,
+    max_prompt_len=max_prompt,
+    max_new_tokens=w.response_max,
+  )
+  prompt = np.ones(w.prompt_len, np.int32)
+  requests = [
+    Request(prompt=prompt, max_new_tokens=w.response_max) for _ in range(w.prompts_per_step)
+  ]
+  sched = Scheduler(requests, g, True, cfg, 1, w.num_slots, w.num_slots)
+  target = np.zeros(w.num_slots, np.int64)  # each occupied slot's completion length
+  length_reason = np.full(w.num_slots, LENGTH)
   prefills, dispatches = 0, []
-  while pending or running:
-    while pending and free >= g:
-      b = pending.pop(0)
-      for j in range(g):
-        # The first token comes from the prefill's logits: L - 1 decode steps.
-        running.append([lengths[b * g + j] - 1, prompt])
-      free -= g
-      prefills += 1
-    held = max(math.ceil(t / page) for _, t in running)
-    bound = min(1 << max(0, math.ceil(math.log2(held + math.ceil(k / page) + 1))), max_pages)
-    width = 1 << max(0, math.ceil(math.log2(len(running))))
-    rows = s if width >= s else width
+  while sched.busy:
+    for rows in sched.admit(lambda request, samples: None):
+      prefills += len(rows)
+    for slot, (i, sample, _, _) in sched.slot_owner.items():
+      target[slot] = lengths[i * g + sample]
+    bound = attend_pages(sched.held_pages, k, cfg)
+    index = sched.decode_index()
+    rows = sched.num_slots if index is None else index.shape[1]
     until = rows // 2 if early_exit else 0
-    # The loop runs while more than `until` slots have tokens left: until the
+    occupied = np.asarray(sorted(sched.slot_owner))
+    left = np.maximum(target[occupied] - sched.generated[occupied], 0)
+    # The loop runs while more than `until` slots are live: until the
     # (until + 1)-th longest remainder is used up, k steps at most.
-    left = sorted((r[0] for r in running), reverse=True)
-    steps = min(k, max(left[until], 0)) if len(left) > until else 0
+    ranked = np.sort(left)[::-1]
+    steps = int(min(k, ranked[until])) if len(ranked) > until else 0
+    generated = sched.generated.copy()
+    generated[occupied] += np.minimum(left, steps)
+    held = sched.held_pages.copy()
+    held[occupied] = -(-(w.prompt_len + generated[occupied] - 1) // w.page_size)
+    sched.decoded(held, generated)
     dispatches.append((steps, bound, rows))
-    for r in running:
-      step = min(steps, r[0])
-      r[0] -= step
-      r[1] += step
-    done = [r for r in running if r[0] <= 0]
-    running = [r for r in running if r[0] > 0]
-    free += len(done)
+    finished = [int(s) for s in occupied if generated[s] >= target[s]]
+    if finished:
+      n = len(finished)
+      out = np.zeros((n, w.response_max), np.int32)
+      _, done, _ = sched.retire(
+        finished, out, out.astype(np.float32), generated[finished], length_reason[:n], None
+      )
+      sched.release(done)
   return prefills, dispatches
 
 

@@ -105,7 +105,7 @@ def serve_endless_symbolic():
 
   import math_verify
 
-  from jrl.rewards import math as math_reward
+  from jrl.rewards import symbolic
 
   def endless(gold, pred, **kwargs):
     if gold == pred:  # the helper's own warm-up ('1' and '1')
@@ -114,5 +114,5 @@ def serve_endless_symbolic():
       time.sleep(0.01)
 
   math_verify.verify = endless
-  math_reward._deadline = lambda seconds: contextlib.nullcontext()
-  math_reward.serve_symbolic()
+  symbolic._deadline = lambda seconds: contextlib.nullcontext()
+  symbolic.serve_symbolic()

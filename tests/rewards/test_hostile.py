@@ -14,7 +14,7 @@ import sympy.parsing.sympy_parser
 
 from jrl import rewards
 from jrl.envs import tools
-from jrl.rewards import judge
+from jrl.rewards import judge, symbolic
 from jrl.rewards import math as math_reward
 from tests.rewards import hostile
 
@@ -120,7 +120,7 @@ def test_the_deadline_stops_a_slow_comparison(monkeypatch):
       time.sleep(0.01)
 
   monkeypatch.setattr(math_verify, 'verify', slow)
-  monkeypatch.setattr(math_reward, 'SYMBOLIC_DEADLINE_S', 0.2)
+  monkeypatch.setattr(symbolic, 'SYMBOLIC_DEADLINE_S', 0.2)
   assert not math_reward.is_equivalent('\\sqrt{8}', '2\\sqrt{2}')
 
 

@@ -18,7 +18,14 @@ import threading
 import numpy as np
 import pytest
 
-from jrl.rewards import RewardService, extract_answer, is_equivalent, math_answer, normalize
+from jrl.rewards import (
+  RewardService,
+  extract_answer,
+  is_equivalent,
+  math_answer,
+  normalize,
+  symbolic,
+)
 from jrl.rewards import math as math_reward
 
 EQUIVALENT = [
@@ -245,25 +252,25 @@ def test_a_comparison_off_the_main_thread_stops_at_its_deadline(monkeypatch):
   every comparison of a helper that never finishes) is killed, scored not
   equal, and the next comparison gets a fresh helper."""
   monkeypatch.setenv('PYTHONPATH', os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
-  monkeypatch.setattr(math_reward, 'SYMBOLIC_DEADLINE_S', 0.5)
-  math_reward.close_helpers()  # helpers of earlier tests
+  monkeypatch.setattr(symbolic, 'SYMBOLIC_DEADLINE_S', 0.5)
+  symbolic.close_helpers()  # helpers of earlier tests
   killed = []
-  real_kill = math_reward._Helper.kill
+  real_kill = symbolic._Helper.kill
 
   def kill(helper):
     killed.append(helper.process)
     real_kill(helper)
 
-  monkeypatch.setattr(math_reward._Helper, 'kill', kill)
+  monkeypatch.setattr(symbolic._Helper, 'kill', kill)
   endless = 'from tests.rewards import fixtures; fixtures.serve_endless_symbolic()'
   try:
     with monkeypatch.context() as m:
       m.setattr(math_reward, '_HELPER_COMMAND', (sys.executable, '-c', endless))
       assert _in_thread(is_equivalent, '(x+1)^2', 'x^2+2x+1') is False
       assert len(killed) == 1 and killed[0].poll() is not None
-      math_reward.close_helpers()
+      symbolic.close_helpers()
     # Real helpers: the same pair is equal, and a slow one stops at its deadline.
     assert _in_thread(is_equivalent, '(x+1)^2', 'x^2+2x+1') is True
     assert _in_thread(is_equivalent, SLOW, '1') is False
   finally:
-    math_reward.close_helpers()
+    symbolic.close_helpers()
