@@ -590,10 +590,19 @@ def test_engine_page_accounting():
   assert not st.page_table.any() and not st.num_pages.any() and not st.active.any()
 
 
-def test_state_is_clean_after_generate():
+def test_state_is_clean_after_generate(monkeypatch):
   sampler = _sampler()
+  states = []  # the state after each release of finished slots: the last is the final one
+  free = sampler._free
+
+  def keep(st, mask):
+    states.append(free(st, mask))
+    return states[-1]
+
+  monkeypatch.setattr(sampler, '_free', keep)
   sampler.generate(_model()[1], _group_run()[0], group_size=4)
-  st = jax.tree.map(lambda x: x[0], jax.device_get(sampler.last_state))  # the one replica
+  st = jax.tree.map(lambda x: x[0], jax.device_get(states[-1]))  # the one replica
+  assert sampler.stats.pages_free_at_end == int(st.free_top)
   assert int(st.free_top) == sampler.cfg.num_pages - 1
   assert not st.refcount.any() and not st.page_table.any() and not st.active.any()
   assert sorted(st.free_stack[: sampler.cfg.num_pages - 1].tolist()) == list(
