@@ -186,8 +186,8 @@ def is_equivalent(a, b, rel_tol=1e-6):
   return _equivalent(a, b, rel_tol, symbolic.equal)
 
 
-def _equivalent(a, b, rel_tol, symbolic):
-  """`is_equivalent`, with `symbolic(na, nb)` deciding the pairs of normalised
+def _equivalent(a, b, rel_tol, decide):
+  """`is_equivalent`, with `decide(na, nb)` deciding the pairs of normalised
   answers that only a symbolic comparison can decide."""
   if a is None or b is None or len(str(a)) > MAX_ANSWER_CHARS or len(str(b)) > MAX_ANSWER_CHARS:
     return False
@@ -202,7 +202,7 @@ def _equivalent(a, b, rel_tol, symbolic):
       ta[0] == tb[0]
       and ta[1] == tb[1]
       and len(ta[2]) == len(tb[2])
-      and all(_equivalent(x, y, rel_tol, symbolic) for x, y in zip(ta[2], tb[2], strict=True))
+      and all(_equivalent(x, y, rel_tol, decide) for x, y in zip(ta[2], tb[2], strict=True))
     )
   va, vb = to_number(na), to_number(nb)
   if va is not None and vb is not None:
@@ -215,7 +215,7 @@ def _equivalent(a, b, rel_tol, symbolic):
     return False
   # Not both plain numbers: only a symbolic comparison can still say equal
   # (2\sqrt{2} and \sqrt{8}, x^2+2x+1 and (x+1)^2).
-  return symbolic(na, nb)
+  return decide(na, nb)
 
 
 class _Undecided(Exception):
@@ -239,8 +239,8 @@ def math_answer(prompts, completions, metadata):
   waits for the call (`time_left()`: a chunk's `reward.timeout_s`); no budget
   outside it. Answers that strings and numbers decide are scored first;
   those that need a symbolic comparison follow, each under
-  symbolic.SYMBOLIC_DEADLINE_S or what is left of the budget if that is less. One
-  that runs out of its full symbolic.SYMBOLIC_DEADLINE_S is 0.0 (too costly to check
+  SYMBOLIC_DEADLINE_S or what is left of the budget if that is less. One
+  that runs out of its full SYMBOLIC_DEADLINE_S is 0.0 (too costly to check
   is wrong); one cut short by the budget, or not reached, is None. So slow
   answers never leave the rest of their chunk unscored.
   """
@@ -248,7 +248,7 @@ def math_answer(prompts, completions, metadata):
   left = time_left()
   end = math.inf if left is None else time.monotonic() + CHUNK_BUDGET * left
 
-  def symbolic(a, b):
+  def within_budget(a, b):
     remaining = end - time.monotonic()
     if remaining <= 0:
       raise symbolic.Deadline("the chunk's budget is spent")
@@ -265,7 +265,7 @@ def math_answer(prompts, completions, metadata):
       deferred.append((i, got))
   for i, got in deferred:
     try:
-      out[i] = float(_equivalent(got, metadata[i]['answer'], 1e-6, symbolic))
+      out[i] = float(_equivalent(got, metadata[i]['answer'], 1e-6, within_budget))
     except symbolic.Deadline:
       out[i] = None if time.monotonic() >= end else 0.0
   unscored = sum(out[i] is None for i, _ in deferred)

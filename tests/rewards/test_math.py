@@ -26,7 +26,6 @@ from jrl.rewards import (
   normalize,
   symbolic,
 )
-from jrl.rewards import math as math_reward
 
 EQUIVALENT = [
   # Integers, signs, separators.
@@ -265,7 +264,7 @@ def test_a_comparison_off_the_main_thread_stops_at_its_deadline(monkeypatch):
   endless = 'from tests.rewards import fixtures; fixtures.serve_endless_symbolic()'
   try:
     with monkeypatch.context() as m:
-      m.setattr(math_reward, '_HELPER_COMMAND', (sys.executable, '-c', endless))
+      m.setattr(symbolic, '_HELPER_COMMAND', (sys.executable, '-c', endless))
       assert _in_thread(is_equivalent, '(x+1)^2', 'x^2+2x+1') is False
       assert len(killed) == 1 and killed[0].poll() is not None
       symbolic.close_helpers()
