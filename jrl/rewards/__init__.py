@@ -1,7 +1,7 @@
 """jrl.rewards: reward functions, the registry, and the service that runs them."""
 
 from jrl.rewards import code
-from jrl.rewards.base import REGISTRY, ScoredBatch, get_reward_fn, register
+from jrl.rewards.base import REGISTRY, ScoredBatch, get_reward_fn, register, uses_sandbox
 from jrl.rewards.format import (
   boxed_format,
   format_think_answer,

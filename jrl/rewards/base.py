@@ -51,14 +51,26 @@ def call_deadline(seconds):
     _call.deadline = previous
 
 
-def register(name):
-  """Decorator: makes a reward function available to configs by `name`."""
+def register(name, *, uses_sandbox=False):
+  """Decorator: makes a reward function available to configs by `name`.
+  `uses_sandbox`: it runs completions in `jrl.rewards.sandbox`, so a run
+  that names it sets the sandbox up at start-up (and refuses to start
+  without isolation unless `reward.sandbox_unsafe`)."""
 
   def wrap(fn):
+    if uses_sandbox:
+      fn.uses_sandbox = True
     REGISTRY[name] = fn
     return fn
 
   return wrap
+
+
+def uses_sandbox(name):
+  """Whether the reward function `name` (registered or an import path) runs
+  completions in the sandbox: registered with `uses_sandbox=True`, or a
+  function with a true `uses_sandbox` attribute."""
+  return bool(getattr(get_reward_fn(name), 'uses_sandbox', False))
 
 
 def get_reward_fn(name):

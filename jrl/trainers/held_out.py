@@ -108,7 +108,7 @@ class HeldOut:
   def _score(self, texts, repeat):
     """[P, repeat] eval-reward scores of texts laid out problem-major."""
     if self._scorer is None:
-      if self.config.eval.reward == 'code_tests' and 'reward' in self.config:
+      if 'reward' in self.config and rewards.uses_sandbox(self.config.eval.reward):
         rc = self.config.reward  # the sandbox's settings, for the scorer's worker
         rewards.code.configure_sandbox(rc.sandbox_unsafe, rewards.code.Settings.of(rc))
       self._scorer = rewards.RewardService(

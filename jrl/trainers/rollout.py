@@ -123,10 +123,11 @@ def make_scorer(reward_config, tokenizer, mesh, is_main):
     remote = RemoteRewardService(rc.url, timeout_s=rc.timeout_s, unscored_value=rc.unscored_value)
     return remote, None
   level = None
-  if 'code_tests' in rc.functions:
+  sandboxed = [name for name in rc.functions if rewards.uses_sandbox(name)]
+  if sandboxed:
     level = rewards.code.configure_sandbox(rc.sandbox_unsafe, rewards.code.Settings.of(rc))
     if is_main:
-      print(f'code_tests: sandbox isolation {level!r}', flush=True)
+      print(f'{", ".join(sandboxed)}: sandbox isolation {level!r}', flush=True)
   service = rewards.RewardService(
     rc.functions,
     rc.weights,

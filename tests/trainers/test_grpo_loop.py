@@ -481,9 +481,10 @@ def test_a_dead_reward_server_stops_the_run(tmp_path):
 
 
 def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path, monkeypatch):
-  """With `code_tests` among the rewards the trainer checks the sandbox at
-  start-up: the isolation level is printed and kept in metrics, and a
-  sandbox without namespaces is refused unless `reward.sandbox_unsafe`."""
+  """With `code_tests` (or any reward that declares `uses_sandbox`) among the
+  rewards the trainer checks the sandbox at start-up: the isolation level is
+  printed and kept in metrics, and a sandbox without namespaces is refused
+  unless `reward.sandbox_unsafe`."""
   from jrl.data.arith import ArithmeticTask
   from jrl.data.sources import write_jsonl
   from jrl.rewards import code, sandbox
@@ -527,6 +528,13 @@ def test_code_reward_logs_its_isolation_and_refuses_a_degraded_sandbox(tmp_path,
   monkeypatch.setattr(sandbox, '_PLAN', sandbox_plan.plan_from(found))
   with pytest.raises(code.SandboxUnavailableError, match='sandbox_unsafe'):
     trainers.build(shrunk_config(tmp_path / 'degraded', overrides))
+  # A reward of one's own that declares it runs completions in the sandbox is
+  # treated alike; one that does not is not.
+  own = 'tests.user_code:sandboxed_reward'
+  assert rewards.uses_sandbox(own) and rewards.uses_sandbox('code_tests')
+  assert not rewards.uses_sandbox('math_answer')
+  with pytest.raises(code.SandboxUnavailableError, match='sandbox_unsafe'):
+    trainers.build(shrunk_config(tmp_path / 'own', {**overrides, 'reward.functions': (own,)}))
   monkeypatch.setattr(sandbox, '_PLAN', None)  # probed afresh by later tests
 
 

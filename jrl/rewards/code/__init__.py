@@ -275,7 +275,7 @@ def score_programs(sources, tests, limits, *, budget_s, concurrency, fresh_proce
     return [job.result() for job in jobs]
 
 
-@register('code_tests')
+@register('code_tests', uses_sandbox=True)
 def code_tests(prompts, completions, metadata):
   """The score of each completion's program on its row's tests (see the module);
   None when the completion holds no code or its cases were left unrun by the
