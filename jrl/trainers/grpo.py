@@ -19,7 +19,6 @@ and metrics as one that never stopped.
 """
 
 import functools
-import time
 from typing import Any, NamedTuple
 
 import jax
@@ -128,23 +127,14 @@ def build(
   shaper = online.RewardShaper(config.reward)
   adv_cfg = policy_step.advantage_config(rl)
 
-  def rl_iteration(state, it):
-    t_step = time.perf_counter()
-    ro = topo.next_rollout(state.params, it)
-    ref_params = state.extra['ref_params'] if uses_ref else None
-    ro = online.place_rollout(ro, res, shaper, steps.logprobs, ref_params, rl.minibatch_size)
-    m = dict(ro.metrics)
+  def batch(state, ro, old_logp, is_weights, m):
+    """The group-relative advantages of a placed rollout, and its PolicyBatch."""
+    del state, m
     mask = ro.batch.loss_mask
     kl_reward = None
     if adv_cfg.kl_coef_in_reward:
       kl_reward = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator='k1', mask=mask)
     adv = steps.advantages(jnp.asarray(ro.rewards), mask, kl_BxT=kl_reward)
-    old_logp, is_weights = ro.old_logp, None
-    if topo.staleness:
-      old_logp, is_weights, stale_metrics = online.proximal(
-        steps.logprobs, state.params, ro, it, res
-      )
-      m.update(stale_metrics)
     full = policy_step.PolicyBatch(
       tokens=ro.batch.tokens,
       mask=ro.batch.mask,
@@ -154,17 +144,19 @@ def build(
       advantages=adv,
       is_weights=is_weights,
     )
-    with res.tracer.span('update', iteration=it):
-      state, um, t_update = online.run_minibatches(
-        steps.rl, state, full, config, it, res.batch_sharding, packer
-      )
-    m.update(um)
-    m.update(online.advantage_metrics(adv, mask))
-    m['time/update'] = t_update
-    m['time/step'] = time.perf_counter() - t_step
-    m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
-    m['phase'] = 1.0
-    return state, m
+    return full, adv
+
+  rl_iteration = functools.partial(
+    online.iteration,
+    algorithm=online.Algorithm(batch, steps.rl),
+    config=config,
+    res=res,
+    topo=topo,
+    shaper=shaper,
+    logprobs=steps.logprobs,
+    packer=packer,
+    uses_ref=uses_ref,
+  )
 
   def iterate(state, it):
     return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)

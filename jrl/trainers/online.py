@@ -10,6 +10,8 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -374,6 +376,54 @@ def proximal(logprobs, params, ro, it, res):
     L.token_mean(jnp.abs(old_logp - ro.old_logp), ro.batch.loss_mask)
   )
   return old_logp, is_weights, m
+
+
+class Algorithm(NamedTuple):
+  """What an online algorithm brings to the shared iteration (`iteration`).
+
+  batch: (state, placed rollout, behaviour or proximal logprobs, importance
+    weights or None, metrics) -> (the update's batch, advantages [B, T]): GRPO's
+    group advantages, PPO's critic values and GAE; it may add metrics.
+  update: the jitted update step, (state, minibatch) -> (state, metrics).
+  after: (state, placed rollout, metrics) -> state, once the update is done
+    (PPO's KL controller), or None.
+  """
+
+  batch: Callable
+  update: Callable
+  after: Callable | None = None
+
+
+def iteration(state, it, algorithm, *, config, res, topo, shaper, logprobs, packer, uses_ref):
+  """One RL iteration of an online algorithm, top to bottom: the rollout (its
+  worker, through the topology) -> placed on the mesh, rewards shaped, the
+  reference pass -> for a rollout of an older policy, the proximal pass and
+  its importance weights -> the algorithm's batch and advantages ->
+  `rl.epochs` passes of its update over minibatches -> metrics."""
+  rl = config.rl
+  t_step = time.perf_counter()
+  ro = topo.next_rollout(state.params, it)
+  ref_params = state.extra['ref_params'] if uses_ref else None
+  ro = place_rollout(ro, res, shaper, logprobs, ref_params, rl.minibatch_size)
+  m = dict(ro.metrics)
+  old_logp, is_weights = ro.old_logp, None
+  if topo.staleness:
+    old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, ro, it, res)
+    m.update(stale_metrics)
+  full, adv = algorithm.batch(state, ro, old_logp, is_weights, m)
+  with res.tracer.span('update', iteration=it):
+    state, um, t_update = run_minibatches(
+      algorithm.update, state, full, config, it, res.batch_sharding, packer
+    )
+  m.update(um)
+  m.update(advantage_metrics(adv, ro.batch.loss_mask))
+  if algorithm.after is not None:
+    state = algorithm.after(state, ro, m)
+  m['time/update'] = t_update
+  m['time/step'] = time.perf_counter() - t_step
+  m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
+  m['phase'] = 1.0
+  return state, m
 
 
 def advantage_metrics(adv, loss_mask):

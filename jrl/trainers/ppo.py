@@ -17,7 +17,6 @@ and topology as GRPO's (`jrl.trainers.online`).
 """
 
 import functools
-import time
 from typing import Any, NamedTuple
 
 import jax
@@ -299,12 +298,9 @@ def build(
   )
   shaper = online.RewardShaper(config.reward)
 
-  def rl_iteration(state, it):
-    t_step = time.perf_counter()
-    ro = topo.next_rollout(state.params, it)
-    ref_params = state.extra['ref_params'] if uses_ref else None
-    ro = online.place_rollout(ro, res, shaper, steps.logprobs, ref_params, rl.minibatch_size)
-    m = dict(ro.metrics)
+  def batch(state, ro, old_logp, is_weights, m):
+    """The critic's values, the KL-shaped token rewards, GAE (whitened) and
+    the PPOBatch of a placed rollout."""
     mask = ro.batch.loss_mask
     beta = float(state.extra['kl_ctl'].coef)  # read before the state is donated
     kl = jnp.zeros_like(ro.old_logp)
@@ -319,12 +315,10 @@ def build(
     )
     adv, returns = steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
-    old_logp, is_weights = ro.old_logp, None
-    if topo.staleness:  # decoupled PPO against the current policy, as GRPO's
-      old_logp, is_weights, stale_metrics = online.proximal(
-        steps.logprobs, state.params, ro, it, res
-      )
-      m.update(stale_metrics)
+    m['actor/kl_coef'] = beta
+    m['rollout/kl'] = float(L.token_mean(kl, mask))
+    m['critic/values_mean'] = float(L.token_mean(old_values, mask))
+    m['critic/returns_mean'] = float(L.token_mean(returns, mask))
     full = PPOBatch(
       ro.batch.tokens,
       ro.batch.mask,
@@ -336,24 +330,26 @@ def build(
       old_values,
       is_weights,
     )
-    state, um, t_update = online.run_minibatches(
-      steps.ppo, state, full, config, it, res.batch_sharding, packer
-    )
-    m.update(um)
-    m.update(online.advantage_metrics(adv, mask))
-    measured_kl = float(L.token_mean(kl, mask))
+    return full, adv
+
+  def after(state, ro, m):
+    """The KL controller, updated by the KL the rollout measured."""
+    del ro
     n = rl.prompts_per_step * rl.group_size
-    new_ctl = kl_ctl.update(state.extra['kl_ctl'], measured_kl, n)
-    state = state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
-    m['actor/kl_coef'] = float(beta)
-    m['rollout/kl'] = measured_kl
-    m['critic/values_mean'] = float(L.token_mean(old_values, mask))
-    m['critic/returns_mean'] = float(L.token_mean(returns, mask))
-    m['time/update'] = t_update
-    m['time/step'] = time.perf_counter() - t_step
-    m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
-    m['phase'] = 1.0
-    return state, m
+    new_ctl = kl_ctl.update(state.extra['kl_ctl'], m['rollout/kl'], n)
+    return state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
+
+  rl_iteration = functools.partial(
+    online.iteration,
+    algorithm=online.Algorithm(batch, steps.ppo, after),
+    config=config,
+    res=res,
+    topo=topo,
+    shaper=shaper,
+    logprobs=steps.logprobs,
+    packer=packer,
+    uses_ref=uses_ref,
+  )
 
   def iterate(state, it):
     return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
