@@ -69,8 +69,13 @@ def register(name, *, uses_sandbox=False):
 def uses_sandbox(name):
   """Whether the reward function `name` (registered or an import path) runs
   completions in the sandbox: registered with `uses_sandbox=True`, or a
-  function with a true `uses_sandbox` attribute."""
-  return bool(getattr(get_reward_fn(name), 'uses_sandbox', False))
+  function with a true `uses_sandbox` attribute. False for a name neither
+  registered nor an import path (the trainer's own 'reward_model' and
+  'judge', made in process; an unknown name is refused where it is run)."""
+  fn = REGISTRY.get(name)
+  if fn is None and is_import_path(name):
+    fn = get_reward_fn(name)
+  return bool(getattr(fn, 'uses_sandbox', False))
 
 
 def get_reward_fn(name):
