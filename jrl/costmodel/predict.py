@@ -44,34 +44,36 @@ def simulate_generation(workload, lengths=None, early_exit=True):
   sched = Scheduler(requests, g, True, cfg, 1, w.num_slots, w.num_slots)
   target = np.zeros(w.num_slots, np.int64)  # each occupied slot's completion length
   length_reason = np.full(w.num_slots, LENGTH)
+  out = np.zeros((w.num_slots, w.response_max), np.int32)  # retire's (unread) tokens
   prefills, dispatches = 0, []
   while sched.busy:
-    for rows in sched.admit(lambda request, samples: None):
+    for rows in sched.admit(lambda request, samples: None):  # one replica: local = global
       prefills += len(rows)
-    for slot, (i, sample, _, _) in sched.slot_owner.items():
-      target[slot] = lengths[i * g + sample]
+      for _, _, local, _ in rows:
+        for slot in local:
+          i, sample = sched.slot_owner[slot][:2]
+          target[slot] = lengths[i * g + sample]
     bound = attend_pages(sched.held_pages, k, cfg)
     index = sched.decode_index()
     rows = sched.num_slots if index is None else index.shape[1]
     until = rows // 2 if early_exit else 0
-    occupied = np.asarray(sorted(sched.slot_owner))
+    occupied = np.fromiter(sched.slot_owner, np.int64, len(sched.slot_owner))
     left = np.maximum(target[occupied] - sched.generated[occupied], 0)
     # The loop runs while more than `until` slots are live: until the
     # (until + 1)-th longest remainder is used up, k steps at most.
-    ranked = np.sort(left)[::-1]
-    steps = int(min(k, ranked[until])) if len(ranked) > until else 0
+    cut = len(left) - 1 - until
+    steps = int(min(k, np.partition(left, cut)[cut])) if cut >= 0 else 0
     generated = sched.generated.copy()
     generated[occupied] += np.minimum(left, steps)
     held = sched.held_pages.copy()
     held[occupied] = -(-(w.prompt_len + generated[occupied] - 1) // w.page_size)
     sched.decoded(held, generated)
     dispatches.append((steps, bound, rows))
-    finished = [int(s) for s in occupied if generated[s] >= target[s]]
+    finished = occupied[generated[occupied] >= target[occupied]].tolist()
     if finished:
       n = len(finished)
-      out = np.zeros((n, w.response_max), np.int32)
       _, done, _ = sched.retire(
-        finished, out, out.astype(np.float32), generated[finished], length_reason[:n], None
+        finished, out[:n], out[:n], generated[finished], length_reason[:n], None
       )
       sched.release(done)
   return prefills, dispatches

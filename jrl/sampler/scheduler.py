@@ -162,7 +162,9 @@ class Scheduler:
     idle slots cost no decode work, and at most log2(sr) narrower programs
     compile."""
     num_r, sr = self.num_r, self.sr
-    live = [sorted(s % sr for s in self.slot_owner if s // sr == k) for k in range(num_r)]
+    live = [[] for _ in range(num_r)]
+    for s in sorted(self.slot_owner):
+      live[s // sr].append(s % sr)
     width = pow2_at_least(max(len(x) for x in live))
     if width >= sr:
       return None
