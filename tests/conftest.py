@@ -24,3 +24,25 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f'expected 8 fake CPU devices, got {jax.devices()}'
+
+
+# One persistent compilation cache for the whole run, shared by the xdist
+# workers: many tests compile the same programs (the smoke configs' models,
+# samplers and updates), and a hit loads the executable instead of compiling
+# it again. `JRL_TEST_XLA_CACHE=0` turns it off. Runs started as subprocesses
+# (launch/train.py) keep their own cache in their workdir.
+_MADE_CACHE = 'JRL_TEST_XLA_CACHE_DIR' not in os.environ  # the controller (workers inherit it)
+if _MADE_CACHE:
+  import tempfile
+
+  os.environ['JRL_TEST_XLA_CACHE_DIR'] = tempfile.mkdtemp(prefix='jrl-test-xla-cache-')
+if os.environ.get('JRL_TEST_XLA_CACHE', '1') != '0':
+  jax.config.update('jax_compilation_cache_dir', os.environ['JRL_TEST_XLA_CACHE_DIR'])
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+
+
+def pytest_sessionfinish(session):
+  if _MADE_CACHE and not hasattr(session.config, 'workerinput'):  # after every worker
+    import shutil
+
+    shutil.rmtree(os.environ['JRL_TEST_XLA_CACHE_DIR'], ignore_errors=True)
