@@ -24,7 +24,7 @@ from ml_collections.config_flags import config_flags
 from configs import common as config_common
 from configs import grpo_arith
 from jrl import trainers
-from jrl.data import ArithmeticTask, read_preference_jsonl
+from jrl.data import ArithmeticTask, read_preference_jsonl, tasks
 from jrl.models.tokenizer import CharTokenizer
 from jrl.trainers import checks, controller
 from tests.helpers import QUIET, SHRINK, set_fields, shrunk_config
@@ -314,7 +314,7 @@ def test_generated_task_with_a_character_outside_the_vocabulary(tmp_path, monkey
 
 def char_checker(max_prompt_len=8, max_new_tokens=6):
   tok = CharTokenizer()
-  return checks.ExampleChecker(
+  return tasks.ExampleChecker(
     tok.encode, tok.encode, max_prompt_len, max_prompt_len + max_new_tokens
   )
 

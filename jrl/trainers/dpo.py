@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from jrl import losses as L
 from jrl import parallel
-from jrl.data import PromptStream, read_preference_jsonl
-from jrl.trainers import checks, common, controller, engines, held_out, setup, sft, tasks
+from jrl.data import PromptStream, read_preference_jsonl, tasks
+from jrl.trainers import checks, common, controller, engines, held_out, setup, sft
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
 _REFERENCE_FREE = ('simpo', 'orpo')

@@ -31,8 +31,8 @@ import numpy as np
 
 from jrl import distributed, models, parallel
 from jrl import losses as L
-from jrl.data import PromptStream, packing, read_preference_jsonl
-from jrl.trainers import checks, common, controller, setup, tasks
+from jrl.data import PromptStream, packing, read_preference_jsonl, tasks
+from jrl.trainers import checks, common, controller, setup
 
 
 class PairBatch(NamedTuple):

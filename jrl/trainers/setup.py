@@ -23,11 +23,11 @@ from flax import nnx
 from jrl import checkpoint as ckpt_lib
 from jrl import distributed, models, parallel, trace
 from jrl import metrics as metrics_lib
-from jrl.data import PromptStream, read_sft_jsonl
+from jrl.data import PromptStream, read_sft_jsonl, tasks
 from jrl.models import hf as hf_lib
 from jrl.models import lora as lora_lib
 from jrl.models.tokenizer import load_tokenizer
-from jrl.trainers import checks, common, tasks
+from jrl.trainers import checks, common
 from jrl.trainers.optim import make_optimizer
 
 
@@ -53,7 +53,7 @@ class Resources(NamedTuple):
   mesh: jax.sharding.Mesh  # the training mesh
   tokenizer: Any
   encoder: tasks.Encoder
-  checker: checks.ExampleChecker
+  checker: tasks.ExampleChecker
   task: tasks.Task
   streams: dict  # name -> PromptStream; every position is checkpointed
   model: Model
@@ -128,7 +128,7 @@ def examples(config, enc, tok):
   the tokenizer lacks or a prompt over `task.max_prompt_len` fails here with
   its file and line."""
   tk = config.task
-  checker = checks.ExampleChecker(
+  checker = tasks.ExampleChecker(
     enc.prompt_ids, tok.encode, tk.max_prompt_len, tk.max_prompt_len + tk.max_response_len
   )
   # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's

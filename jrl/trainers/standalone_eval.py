@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from jrl import checkpoint, distributed, parallel, trace
-from jrl.data import ANSWER_EXTRACTORS, read_prompts
-from jrl.trainers import checks, engines, setup, tasks
+from jrl.data import ANSWER_EXTRACTORS, read_prompts, tasks
+from jrl.trainers import engines, setup
 from jrl.trainers.held_out import EXAMPLES_FILE, HeldOut
 
 # Algorithms whose policy is evaluated on held-out prompts by `HeldOut`; the
@@ -76,7 +76,7 @@ def held_out_examples(config, enc, tok):
   training: every prompt fits `task.max_prompt_len` (or is dropped with
   `task.long_prompts='filter'`). A prompt file's training split is not read."""
   tk = config.task
-  checker = checks.ExampleChecker(
+  checker = tasks.ExampleChecker(
     enc.prompt_ids, tok.encode, tk.max_prompt_len, tk.max_prompt_len + tk.max_response_len
   )
   if tk.kind in ('file', 'jsonl'):
@@ -108,7 +108,7 @@ def _eval_file(tk, check):
     answer_key=tk.answer_key,
     answer_extractor=tk.answer_extractor,
     check=check,
-    drop=(checks.PromptTooLong,) if tk.long_prompts == 'filter' else (),
+    drop=(tasks.PromptTooLong,) if tk.long_prompts == 'filter' else (),
   )
   if read.dropped and distributed.is_main():
     where, why = read.dropped[0]

@@ -28,10 +28,10 @@ import tokenizers
 
 from configs import grpo_arith
 from jrl import trainers
-from jrl.data import sources, word_problems
+from jrl.data import sources, tasks, word_problems
 from jrl.metrics import read_jsonl as read_metrics
 from jrl.models.tokenizer import CharTokenizer, HFTokenizer
-from jrl.trainers import checks, controller, tasks
+from jrl.trainers import controller
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -218,7 +218,7 @@ def test_parquet_wrong_type_and_unreadable_file(tmp_path):
 def char_checker(max_prompt_len, seq_len=None):
   tok = CharTokenizer()
   encoder = tasks.Encoder(tok, False, False)
-  return checks.ExampleChecker(
+  return tasks.ExampleChecker(
     encoder.prompt_ids, tok.encode, max_prompt_len, seq_len or max_prompt_len + 8
   )
 
@@ -249,7 +249,7 @@ def test_filter_drops_long_prompts_and_counts_them(tmp_path, ext):
   assert [ex['answer'] for ex in task.train] == ['0', '2', '3', '5', '6', '8', '9', '11']
   assert [ex['answer'] for ex in task.held_out] == ['0', '2', '3', '5']
   assert task.filtered == {'train': 4, 'eval': 2}
-  got = sources.read_prompts(train, check=check.prompt, drop=(checks.PromptTooLong,), **GSM).dropped
+  got = sources.read_prompts(train, check=check.prompt, drop=(tasks.PromptTooLong,), **GSM).dropped
   assert [w for w, _ in got] == [where(train, i) for i in (1, 4, 7, 10)]
   assert got[0][1] == 'field `prompt` is 40 tokens, more than `task.max_prompt_len`=20.'
 
@@ -344,9 +344,9 @@ def test_system_prompt_counts_towards_the_prompt_length(tmp_path):
   encoder = tasks.Encoder(tok, True, False, system_prompt='s' * 30)
   train = write(tmp_path, 'train.jsonl', long_rows(6, long=()))
   config = task_config(train, long_prompts='filter')
-  check = checks.ExampleChecker(encoder.prompt_ids, tok.encode, 69, 80)
+  check = tasks.ExampleChecker(encoder.prompt_ids, tok.encode, 69, 80)
   assert len(tasks.Task(config, 0, check.prompt).train) == 6
-  check = checks.ExampleChecker(encoder.prompt_ids, tok.encode, 68, 80)
+  check = tasks.ExampleChecker(encoder.prompt_ids, tok.encode, 68, 80)
   with pytest.raises(ValueError, match='all 6 rows were dropped'):
     tasks.Task(config, 0, check.prompt)
 

@@ -23,8 +23,8 @@ import jinja2
 import pytest
 import transformers
 
+from jrl.data import tasks
 from jrl.models import tokenizer as T
-from jrl.trainers import tasks
 from tests.helpers import train_byte_bpe
 
 LLAMA3 = """{{ bos_token -}}

@@ -36,10 +36,10 @@ from configs import dpo_arith, grpo_arith, grpo_qwen, ppo_arith, sft_arith
 from jrl import checkpoint as ckpt_lib
 from jrl import models, rewards, trainers
 from jrl.data import ArithmeticTask
+from jrl.data.tasks import corrupt_answer
 from jrl.metrics import read_jsonl
 from jrl.models import hf as hf_lib
 from jrl.trainers import controller, dpo
-from jrl.trainers.tasks import corrupt_answer
 from tests import helpers
 from tests.helpers import REPO, capture
 

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from jrl import trainers
+from jrl.data import tasks
 from jrl.envs import run_step
 from jrl.models.tokenizer import CharTokenizer
-from jrl.trainers import checks, contracts, controller, episodes, tasks
+from jrl.trainers import contracts, controller, episodes
 from tests import user_code
 from tests.helpers import QUIET, records, shrunk_config
 from tests.trainers.test_agent import agent_config
@@ -84,7 +85,7 @@ def test_data_source_long_prompts_are_filtered_when_asked(tmp_path, capsys):
   config = shrunk_config(tmp_path, {'task.kind': 'tests.user_code:make_rows_long_prompt'})
   config.task.long_prompts = 'filter'
   tok = CharTokenizer()
-  checker = checks.ExampleChecker(tok.encode, tok.encode, max_prompt_len=8, seq_len=16)
+  checker = tasks.ExampleChecker(tok.encode, tok.encode, max_prompt_len=8, seq_len=16)
   task = tasks.Task(config.task, config.seed, checker.prompt)
   assert task.filtered == {'train': 1, 'eval': 0}
   assert len(task.train) == 63

@@ -3,15 +3,90 @@ prompt encoding (`Encoder`: raw text or the chat template), and preference
 pairs with a known truth on the arithmetic task (`arith_pairs`).
 
 Both are plain host-side objects, built once at set-up by
-`jrl.trainers.setup.examples`; every example is checked there, so a bad row
-fails with its file and line before anything is compiled.
+`jrl.trainers.setup.examples`; every example is checked there
+(`ExampleChecker`), so a bad row fails with its file and line before
+anything is compiled.
 """
 
 import numpy as np
 
 from jrl import distributed, plugins
-from jrl.data import ANSWER_EXTRACTORS, ArithmeticTask, PromptFile, prompt_rows, read_prompts
-from jrl.trainers import checks
+from jrl.data.arith import ArithmeticTask
+from jrl.data.sources import ANSWER_EXTRACTORS, PromptFile, prompt_rows, read_prompts
+
+# Examples ------------------------------------------------------------------------
+
+
+class PromptTooLong(ValueError):
+  """A prompt longer than `task.max_prompt_len` (`task.long_prompts='filter'` drops these)."""
+
+
+class ExampleChecker:
+  """Encodes examples as the trainer will, and refuses those it could not train on.
+
+  Each method takes one example (a dict as `jrl.data` returns it) and raises
+  ValueError saying which field is wrong; the JSONL readers prefix the file
+  and line (`jrl.data.sources`, `check=`), `check_generated` the example's
+  index.
+  """
+
+  def __init__(self, prompt_ids, encode, max_prompt_len, seq_len):
+    """
+    Args:
+      prompt_ids: prompt (text or chat messages) -> token ids, as the trainer
+        builds them (chat template, bos).
+      encode: text -> token ids (responses, answers).
+      max_prompt_len: `task.max_prompt_len`.
+      seq_len: tokens of a packed training row (`task.max_prompt_len +
+        task.max_response_len`); a response is followed by one eos token.
+    """
+    self.prompt_ids = prompt_ids
+    self.encode = encode
+    self.max_prompt_len = max_prompt_len
+    self.seq_len = seq_len
+
+  def _ids(self, example, key, fn):
+    try:
+      return fn(example[key])
+    except ValueError as e:  # e.g. a character outside the tokenizer's vocabulary
+      raise ValueError(f'field `{key}`: {e}') from None
+
+  def prompt(self, example):
+    """The prompt encodes and fits in `task.max_prompt_len`; returns its length."""
+    n = len(self._ids(example, 'prompt', self.prompt_ids))
+    if n > self.max_prompt_len:
+      raise PromptTooLong(
+        f'field `prompt` is {n} tokens, more than `task.max_prompt_len`={self.max_prompt_len}.'
+      )
+    return n
+
+  def _completion(self, example, key, prompt_len, eos=True):
+    m = len(self._ids(example, key, lambda text: self.encode(str(text))))
+    if prompt_len + m + int(eos) > self.seq_len:
+      raise ValueError(
+        f'prompt ({prompt_len} tokens) + `{key}` ({m} tokens){" + eos" if eos else ""} exceed '
+        f'`task.max_prompt_len` + `task.max_response_len` = {self.seq_len} tokens.'
+      )
+
+  def sft(self, example):
+    """An SFT row: prompt, and prompt + response (or answer) + eos fit a row."""
+    n = self.prompt(example)
+    self._completion(example, 'response' if 'response' in example else 'answer', n)
+
+  def pair(self, example, eos=True):
+    """A preference pair: prompt, and prompt + chosen / rejected (+ eos) fit a row."""
+    n = self.prompt(example)
+    for key in ('chosen', 'rejected'):
+      self._completion(example, key, n, eos)
+
+
+def check_generated(name, examples, check):
+  """Runs `check` on (index, example) pairs of a generated task, naming the index."""
+  for i, example in examples:
+    try:
+      check(example)
+    except ValueError as e:
+      raise ValueError(f'{name} example {i}: {e}') from None
 
 
 def function_rows(task_config, check, train_check):
@@ -33,7 +108,7 @@ def function_rows(task_config, check, train_check):
     raise ValueError(
       f'`task.long_prompts` must be one of {Task.LONG_PROMPTS}, got {long_prompts!r}.'
     )
-  drop = (checks.PromptTooLong,) if long_prompts == 'filter' else ()
+  drop = (PromptTooLong,) if long_prompts == 'filter' else ()
   read = {}
   for split, rows, check_row in (('train', out[0], train_check), ('held-out', out[1], check)):
     if split == 'held-out' and isinstance(rows, list | tuple) and not rows:
@@ -60,12 +135,12 @@ class Task:
   LONG_PROMPTS = ('error', 'filter')
 
   def __init__(self, task_config, seed, check=None, train_check=None):
-    """`check(example)` (e.g. `checks.ExampleChecker.prompt`) runs on every
+    """`check(example)` (e.g. `ExampleChecker.prompt`) runs on every
     held-out example, `train_check` (default: `check`) on every training one:
     each row of a prompt file, the first `CHECKED_EXAMPLES` of a generated task.
     Their ValueError is raised with the file and line (or row), or the index;
     with `task.long_prompts='filter'`, a file's rows whose prompt is too long
-    (`checks.PromptTooLong`) are dropped and counted instead."""
+    (`PromptTooLong`) are dropped and counted instead."""
     kind = task_config.kind
     train_check = train_check or check
     self.filtered = {'train': 0, 'eval': 0}
@@ -99,8 +174,8 @@ class Task:
     if check is not None and kind in ('arith', 'arith_tool'):
       # Generated problems share one format: the first ones stand for the rest.
       train = ((i, self.train.example(i)) for i in range(self.CHECKED_EXAMPLES))
-      checks.check_generated(f'task {kind!r} training', train, train_check)
-      checks.check_generated(f'task {kind!r} held-out', enumerate(self.held_out), check)
+      check_generated(f'task {kind!r} training', train, train_check)
+      check_generated(f'task {kind!r} held-out', enumerate(self.held_out), check)
     self.seed = seed
 
   def _read(self, task_config, split, check) -> PromptFile:
@@ -122,7 +197,7 @@ class Task:
       answer_key=task_config.answer_key,
       answer_extractor=extractor,
       check=check,
-      drop=(checks.PromptTooLong,) if long_prompts == 'filter' else (),
+      drop=(PromptTooLong,) if long_prompts == 'filter' else (),
     )
     self.filtered[split] = len(read.dropped)
     if read.dropped and distributed.is_main():
