@@ -142,7 +142,24 @@ class RecordingEngine:
 
   def __init__(self, inner):
     self.inner = inner
-    self.calls = []  # (requests, group_size, prompts' lengths)
+    self.calls = []  # (requests, group_size)
+    self.events = []  # ('load', version), 'release', 'resume', 'generate', in order
+
+  @property
+  def version(self):
+    return self.inner.version
+
+  def load_weights(self, params, version):
+    self.events.append(('load', version))
+    return self.inner.load_weights(params, version)
+
+  def release(self):
+    self.events.append('release')
+    self.inner.release()
+
+  def resume(self):
+    self.events.append('resume')
+    self.inner.resume()
 
   @property
   def stats(self):
@@ -158,6 +175,7 @@ class RecordingEngine:
 
   def generate(self, params, requests, *, group_size=1, share_prompt=True, on_turn_end=None):
     self.calls.append((len(requests), group_size))
+    self.events.append('generate')
     return self.inner.generate(
       params, requests, group_size=group_size, share_prompt=share_prompt, on_turn_end=on_turn_end
     )

@@ -182,6 +182,8 @@ class Sampler:
     self.mesh = mesh
     self.stats = SamplerStats()
     self.tracer = trace.NULL  # the controller sets its own to record prefill/decode spans
+    self.version = None  # the policy version `load_weights` was given last
+    self.released = False  # between `release` and `resume`: `generate` is refused
     self._shardings = state_shardings(mesh, replicas, model_config)
     cfg = engine_config
     rcfg = cfg._replace(num_slots=self.slots_per_replica)  # one replica's engine
@@ -288,6 +290,24 @@ class Sampler:
       truncate=truncate,
     )
 
+  # The engine contract (jrl.trainers.contracts.Engine) --------------------------
+
+  def load_weights(self, params, version):
+    """The weights `generate` reads for the policy's version `version`: the
+    trainer's own arrays, as they are (returned, never copied)."""
+    self.version = version
+    return params
+
+  def release(self):
+    """Before an update on the same devices. The KV pool and the decode state
+    exist only inside `generate`, so nothing stays allocated; until `resume`,
+    `generate` raises instead of allocating them beside the update's memory."""
+    self.released = True
+
+  def resume(self):
+    """After the update: `generate` may run again."""
+    self.released = False
+
   # The loop ------------------------------------------------------------------
 
   def generate(
@@ -319,6 +339,11 @@ class Sampler:
     pages), the one with the most idle slots among those with room; every
     round of admissions is one prefill call over all replicas.
     """
+    if self.released:
+      raise RuntimeError(
+        'the sampler was released for an update on its devices (`release`); '
+        'call `resume` before `generate`.'
+      )
     requests = list(requests)
     check_requests(
       requests,

@@ -26,19 +26,39 @@ from typing import Any, Protocol, runtime_checkable
 class Engine(Protocol):
   """Generates G samples per request, with the logprob of each sampled token.
 
-  `params` is the policy's parameter pytree as the trainer holds it (for
-  jrl's sampler: read in place, never copied); an engine that keeps weights
-  of its own loads them from `params` when they are not the ones it holds.
-  jrl's sampler holds its KV pages only inside `generate`, so nothing of the
-  rollout stays in device memory through the update.
+  A worker calls `load_weights` with the policy's parameters (the pytree as
+  the trainer holds it) and their version, and hands what it returns to
+  `generate`, under its lock. jrl's sampler reads the trainer's arrays in
+  place and returns them; an engine with weights of its own copies them in
+  (once per version) and may return any handle. Around an update on the same
+  devices the topology calls `release` and then `resume`: nothing of the
+  rollout may stay in device memory in between, and `generate` is refused
+  there.
   """
 
   stats: Any  # figures of the latest `generate` call (jrl: SamplerStats)
   tracer: Any  # spans of prefill / decode go here (jrl.trace.Tracer)
+  version: int | None  # the policy version of the weights last loaded
+
+  def load_weights(self, params: Any, version: int | None) -> Any:
+    """Makes `params`, the policy's version `version` (the iteration whose
+    update produced them; None: unversioned), the weights `generate` reads;
+    returns what to pass to `generate` as its weights."""
+    ...
+
+  def release(self) -> None:
+    """Frees what the engine holds in device memory for generating (its KV
+    pool) before an update on the same devices; `generate` is refused until
+    `resume`."""
+    ...
+
+  def resume(self) -> None:
+    """Undoes `release`: `generate` may run again."""
+    ...
 
   def generate(
     self,
-    params: Any,
+    weights: Any,
     requests: Sequence[Any],
     *,
     group_size: int = 1,

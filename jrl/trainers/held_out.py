@@ -70,13 +70,13 @@ def grouped_accuracy(correct, examples, key):
 class HeldOut:
   """Greedy (and optionally sampled) accuracy on the held-out examples."""
 
-  def __init__(self, config, encoder, tokenizer, stop_tokens, examples, sampler_, lock, tracer):
+  def __init__(self, config, encoder, tokenizer, stop_tokens, examples, engine, lock, tracer):
     self.config = config
     self.encoder = encoder
     self.tokenizer = tokenizer
     self.stop_tokens = stop_tokens
     self.examples = examples
-    self.sampler = sampler_
+    self.engine = engine
     self.lock = lock
     self.tracer = tracer
     self.path = os.path.join(os.path.abspath(config.workdir), EXAMPLES_FILE)
@@ -132,8 +132,9 @@ class HeldOut:
       return {}
     n = int(self.config.eval.samples)
     with self.lock, self.tracer.span('eval'):
-      greedy = self.sampler.generate(params, self._requests(True), group_size=1)
-      sampled = self.sampler.generate(params, self._requests(False), group_size=n) if n else None
+      weights = self.engine.load_weights(params, step)
+      greedy = self.engine.generate(weights, self._requests(True), group_size=1)
+      sampled = self.engine.generate(weights, self._requests(False), group_size=n) if n else None
     self._calls += 1
     greedy_texts = [decode(self.tokenizer, g[0].tokens, self.stop_tokens) for g in greedy]
     greedy_scores = self._score(greedy_texts, 1)[:, 0]
@@ -186,10 +187,10 @@ def held_out_evaluator(res):
     if not held_out:
       mode = res.config.sampler.decode_weights
       layout.append(topology.decode_shardings(mode, res.mesh, res.model.config, state.params))
-      sampler_ = engines.build_engine(
+      engine = engines.build_engine(
         res.config, res.model, res.mesh, res.stop_tokens, engines.eval_group_sizes(res.config)
       )
-      sampler_.tracer = res.tracer
+      engine.tracer = res.tracer
       held_out.append(
         HeldOut(
           res.config,
@@ -197,7 +198,7 @@ def held_out_evaluator(res):
           res.tokenizer,
           res.stop_tokens,
           res.task.held_out,
-          sampler_,
+          engine,
           threading.Lock(),
           res.tracer,
         )

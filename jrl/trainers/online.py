@@ -411,7 +411,7 @@ def iteration(state, it, algorithm, *, config, res, topo, shaper, logprobs, pack
     old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, ro, it, res)
     m.update(stale_metrics)
   full, adv = algorithm.batch(state, ro, old_logp, is_weights, m)
-  with res.tracer.span('update', iteration=it):
+  with topo.update_window(), res.tracer.span('update', iteration=it):
     state, um, t_update = run_minibatches(
       algorithm.update, state, full, config, it, res.batch_sharding, packer
     )

@@ -178,15 +178,15 @@ class RolloutWorker:
     sizes = (config.rl.group_size,)
     if res.task.held_out:
       sizes += engines.eval_group_sizes(config)
-    self.sampler = engines.build_engine(config, res.model, mesh, res.stop_tokens, sizes)
-    self.sampler.tracer = res.tracer
+    self.engine = engines.build_engine(config, res.model, mesh, res.stop_tokens, sizes)
+    self.engine.tracer = res.tracer
     self.held_out = HeldOut(
       config,
       res.encoder,
       res.tokenizer,
       res.stop_tokens,
       res.task.held_out,
-      self.sampler,
+      self.engine,
       self.lock,
       res.tracer,
     )
@@ -216,7 +216,7 @@ class RolloutWorker:
       padded[row, 1 : 1 + len(ids)] = ids
     return [list(r[1 : 1 + r[0]]) for r in distributed.gather_rows(padded)]
 
-  def _generate(self, prompt_ids, draw, params, iteration):
+  def _generate(self, prompt_ids, draw, params, iteration, version):
     sp = self.config.sampling
     requests = [
       sampler.Request(
@@ -232,7 +232,8 @@ class RolloutWorker:
       for i, ids in enumerate(prompt_ids)
     ]
     with self.lock:
-      groups = self.sampler.generate(params, requests, group_size=self.config.rl.group_size)
+      weights = self.engine.load_weights(params, version)
+      groups = self.engine.generate(weights, requests, group_size=self.config.rl.group_size)
     return requests, groups
 
   def _score(self, examples, groups):
@@ -290,6 +291,7 @@ class RolloutWorker:
     if `dynamic_sampling_max_draws` runs out, dropped groups fill up.
     """
     rl = self.config.rl
+    version = iteration if version is None else version
     g, b = rl.group_size, rl.prompts_per_step
     plo, phi = self.prompt_rows
     m = {}
@@ -302,7 +304,7 @@ class RolloutWorker:
       prompt_ids = self._gather_prompts([self.encoder.prompt_ids(ex['prompt']) for ex in examples])
       start = time.perf_counter()
       with self.tracer.span('generate', iteration=iteration, draw=draw):
-        requests, groups = self._generate(prompt_ids, draw, params, iteration)
+        requests, groups = self._generate(prompt_ids, draw, params, iteration, version)
       t_gen += time.perf_counter() - start
       gen_tokens += sum(len(c.tokens) for grp in groups for c in grp)
       start = time.perf_counter()
@@ -359,5 +361,4 @@ class RolloutWorker:
     m['time/generate'] = t_gen
     m['time/reward'] = t_reward
     m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
-    version = iteration if version is None else version
     return Rollout(batch, old_logp, rewards_np, version, m)

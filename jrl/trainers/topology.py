@@ -21,6 +21,7 @@ An n-step-off or a remote rollout is one more class with these methods.
 """
 
 import concurrent.futures
+import contextlib
 import time
 
 import jax
@@ -91,6 +92,17 @@ class Colocated:
     self.tracer = tracer
     self.decode = decode
 
+  @contextlib.contextmanager
+  def update_window(self):
+    """Around the update: the engine shares the training devices, so it
+    releases its KV pool for the update's memory, and resumes after."""
+    engine = self.worker.engine
+    engine.release()
+    try:
+      yield
+    finally:
+      engine.resume()
+
   def rollout_params(self, params):
     if self.decode is None:
       return params
@@ -125,6 +137,10 @@ class Disaggregated(Colocated):
   def __init__(self, worker, tracer, shardings):
     super().__init__(worker, tracer, decode=shardings)
 
+  def update_window(self):
+    """The engine's devices are not the update's: it keeps its memory."""
+    return contextlib.nullcontext()
+
 
 class OneStepOff:
   """Generates the next iteration's rollout while the current update runs
@@ -144,6 +160,10 @@ class OneStepOff:
     self.pending = None  # the Future of the rollout in flight
     self.pending_params = None  # the parameters it reads
     self.pending_streams = None  # the streams' states from before it drew
+
+  def update_window(self):
+    """The next rollout generates while the update runs: the engine keeps its memory."""
+    return contextlib.nullcontext()
 
   def rollout_params(self, params):
     """A copy (the update donates the trainer's buffers while generation

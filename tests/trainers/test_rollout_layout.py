@@ -201,8 +201,8 @@ def test_a_run_with_sampler_replicas_logs_the_single_replica_figures(tmp_path):
     overrides.update({'sft.steps': 1, 'rl.steps': 1, 'reward.mode': 'inline', 'eval.every': 2})
     overrides.update({'sampler.num_slots': 32, 'sampler.replicas': replicas})
     job = trainers.build(shrunk_config(tmp_path, overrides))
-    state = job.topology.worker.sampler.init_state()
-    assert job.topology.worker.sampler.replicas == replicas
+    state = job.topology.worker.engine.init_state()
+    assert job.topology.worker.engine.replicas == replicas
     assert state.page_table.shape[:2] == (replicas, 32 // replicas)
     controller.train(job)
     logged[replicas] = records(str(tmp_path / str(replicas)))

@@ -156,7 +156,7 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
   job = trainers.build(config)
   assert isinstance(job.topology, topology.Disaggregated)
   train_devices = set(job.res.mesh.devices.flat)
-  rollout_devices = set(job.topology.worker.sampler.mesh.devices.flat)
+  rollout_devices = set(job.topology.worker.engine.mesh.devices.flat)
   assert len(train_devices) == len(rollout_devices) == 4
   assert not train_devices & rollout_devices
   placed = job.topology.rollout_params(job.state.params)

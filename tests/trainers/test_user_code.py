@@ -26,7 +26,7 @@ def test_grpo_trains_on_a_data_source_and_an_engine_given_by_import_path(tmp_pat
   user_code.ENGINES.clear()
   config = shrunk_config(
     tmp_path,
-    {**QUIET, **ENGINE, 'task.kind': 'tests.user_code:make_rows', 'sft.steps': 0, 'rl.steps': 1},
+    {**QUIET, **ENGINE, 'task.kind': 'tests.user_code:make_rows', 'sft.steps': 0, 'rl.steps': 2},
   )
   job = trainers.build(config)
   (engine,) = user_code.ENGINES  # the rollout worker's, its held-out evaluation's too
@@ -38,10 +38,29 @@ def test_grpo_trains_on_a_data_source_and_an_engine_given_by_import_path(tmp_pat
   drawn = job.res.streams['rl_stream'].next(4)
   assert all(row['source'] == 'sums' for row in drawn)
   controller.train(job)
-  assert [r['step'] for r in records(tmp_path) if r.get('phase') == 1.0] == [1]
-  # The one RL step's batch came from the engine, G samples per prompt.
-  assert engine.calls == [(config.rl.prompts_per_step, config.rl.group_size)]
+  assert [r['step'] for r in records(tmp_path) if r.get('phase') == 1.0] == [1, 2]
+  # Each RL step's batch came from the engine, G samples per prompt.
+  assert engine.calls == 2 * [(config.rl.prompts_per_step, config.rl.group_size)]
   assert engine.stats.generated_tokens > 0
+  # Colocated: each policy version loaded before it generates; the engine
+  # released around each update and resumed after it.
+  step = ['generate', 'release', 'resume']
+  assert engine.events == [('load', 0), *step, ('load', 1), *step]
+  engine.release()
+  with pytest.raises(RuntimeError, match='released for an update'):
+    engine.inner.generate(None, [])
+  engine.resume()
+
+
+def test_one_step_off_generates_through_the_update_with_the_older_version(tmp_path):
+  """The next rollout generates while the update runs: never released, and
+  iteration 1's batch comes from version 0 (the parameters before update 1)."""
+  user_code.ENGINES.clear()
+  fields = {'topology.kind': 'one_step_off', 'topology.staleness': 1}
+  config = shrunk_config(tmp_path, {**QUIET, **ENGINE, **fields, 'sft.steps': 0, 'rl.steps': 2})
+  controller.train(trainers.build(config))
+  (engine,) = user_code.ENGINES
+  assert engine.events == [('load', 0), 'generate', ('load', 0), 'generate']
 
 
 @pytest.mark.parametrize(
