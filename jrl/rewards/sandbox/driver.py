@@ -43,9 +43,9 @@ its real stdout, which no child holds, then a last line
      "value": "<tagged JSON>" | "stdout": "...", "error": "...", "wall": 0.01}
 
 Nothing the program does can produce a pass by itself: the verdict is the
-caller's comparison of these values with expected values that never enter
-the sandbox (see jrl/rewards/code/README.md). Asserts mode is the exception,
-and forgeable: the check runs inside the program's process.
+caller's comparison (jrl/rewards/code/compare.py) with expected values that
+never enter the sandbox; asserts mode, whose check runs in the program's
+process, is forgeable.
 """
 
 import base64
@@ -61,15 +61,7 @@ import sys
 import time
 
 _STATUS_OK = 'ok'
-_DICT, _TUPLE, _SET, _FROZENSET, _BYTES, _COMPLEX, _FLOAT = (
-  '$d',
-  '$t',
-  '$s',
-  '$fs',
-  '$b',
-  '$c',
-  '$f',
-)
+_DICT, _TUPLE, _SET, _FROZENSET, _BYTES, _COMPLEX, _FLOAT = '$d $t $s $fs $b $c $f'.split()
 _MAX_DEPTH = 100
 
 
@@ -98,9 +90,7 @@ def encode(value, depth=0):
   if depth > _MAX_DEPTH:
     raise _Unencodable('nested too deeply')
   t = type(value)
-  if value is None or t is bool or t is str:
-    return value
-  if t is int:
+  if value is None or t is bool or t is str or t is int:
     return value
   if t is float:
     return value if math.isfinite(value) else {_FLOAT: repr(value)}
