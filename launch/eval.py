@@ -12,7 +12,7 @@ instead (no run or checkpoint needed). Every held-out problem is decoded
 greedily, and `--samples` n times at `--temperature` (default: `eval.samples`,
 `eval.temperature`) for mean@n and pass@k. Prints one JSON line of metrics;
 one row per problem goes to `--out` (overwritten), by default appended to
-workdir/eval_samples.jsonl. See `jrl.trainers.standalone_eval`.
+workdir/eval_samples.jsonl. See `jrl.trainers.evaluation.standalone`.
 
 The reward model and the agent are evaluated by their trainers: for them
 the checkpoint is restored into the whole job (`--samples`, `--temperature`
@@ -76,7 +76,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)
-  from jrl.trainers import standalone_eval
+  from jrl.trainers.evaluation import standalone as standalone_eval
 
   config = _CONFIG.value
   try:

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from jrl import evaluation
+from jrl.trainers.evaluation import scores as evaluation
 
 
 @pytest.mark.parametrize('n', [1, 2, 5, 8])

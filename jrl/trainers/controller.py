@@ -38,7 +38,6 @@ import jax
 from jrl import checkpoint as ckpt_lib
 from jrl import distributed
 from jrl import metrics as metrics_lib
-from jrl.rewards import shaping as reward_norm
 from jrl.trainers import checks, common, setup
 
 
@@ -51,7 +50,6 @@ class Job(NamedTuple):
   evaluate: Callable  # state -> held-out metrics ({} when there is nothing to evaluate)
   start_rl: Callable | None = None  # state -> state, once the SFT warm-up is done
   topology: Any = None  # jrl.trainers.topology strategy (online algorithms)
-  shaper: Any = None  # online.RewardShaper (online algorithms)
   reward_errors: Callable = list  # () -> the reward service's latest errors
   samples: Callable = list  # () -> the latest batch's example completions (dicts)
   close: Callable = lambda: None  # stops reward workers
@@ -111,14 +109,12 @@ class _Progress:
 
 def _meta(job, progress):
   streams, behaviour = _streams_and_behaviour(job)
-  moments = job.shaper.moments if job.shaper is not None else reward_norm.init()
   return {
     'iteration': progress.iteration,
     'streams': streams,
     'nonfinite_run': progress.nonfinite_run,
     'unscored_run': progress.unscored_run,
     'pending_rollout': behaviour is not None,
-    'reward_moments': list(moments),
     'config': json.loads(job.res.config.to_json_best_effort()),
   }
 
@@ -152,8 +148,6 @@ def restore(job, checkpointer, state, progress):
     stream.restore(meta['streams'][name])
   progress.nonfinite_run = int(meta.get('nonfinite_run', 0))
   progress.unscored_run = int(meta.get('unscored_run', 0))
-  if job.shaper is not None:
-    job.shaper.moments = reward_norm.RunningMoments(*meta.get('reward_moments', (0, 0, 0)))
   if job.topology is not None:
     job.topology.restore(checkpointer, latest, meta, restored.params)
   if job.res.is_main:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jrl import losses as L
 from jrl import parallel
 from jrl.data import PromptStream, read_preference_jsonl, tasks
-from jrl.trainers import checks, common, controller, engines, held_out, setup, sft
+from jrl.trainers import checks, common, controller, engines, setup, sft
+from jrl.trainers.evaluation import held_out
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
 _REFERENCE_FREE = ('simpo', 'orpo')

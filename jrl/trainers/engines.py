@@ -25,30 +25,36 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
   With `sampler.replicas` R > 1 the slots are split into R data-parallel
   replicas over the mesh's batch axes, each with a pool of its own (sized
   for its S/R slots); whole groups go to one replica."""
-  tk, sc = config.task, config.sampler
+  task_config, sampler_config = config.task, config.sampler
   sizes = group_sizes or (config.rl.group_size,)
-  per_replica = sc.num_slots // sc.replicas
-  num_pages = sc.num_pages or max(
-    sampler.pool_pages(tk.max_prompt_len, tk.max_response_len, g, sc.page_size, per_replica)
+  per_replica = sampler_config.num_slots // sampler_config.replicas
+  num_pages = sampler_config.num_pages or max(
+    sampler.pool_pages(
+      task_config.max_prompt_len,
+      task_config.max_response_len,
+      g,
+      sampler_config.page_size,
+      per_replica,
+    )
     for g in sizes
   )
   engine_config = sampler.EngineConfig(
-    num_slots=sc.num_slots,
+    num_slots=sampler_config.num_slots,
     num_pages=num_pages,
-    page_size=sc.page_size,
-    max_prompt_len=tk.max_prompt_len,
-    max_new_tokens=tk.max_response_len,
+    page_size=sampler_config.page_size,
+    max_prompt_len=task_config.max_prompt_len,
+    max_new_tokens=task_config.max_response_len,
     max_stop_tokens=max(1, len(stop_tokens)),
-    attention_impl=sc.attention_impl,
+    attention_impl=sampler_config.attention_impl,
   )._replace(**engine_overrides)
   try:
     return sampler.Sampler(
       model.graphdef,
       model.config,
       engine_config,
-      steps_per_dispatch=sc.steps_per_dispatch,
+      steps_per_dispatch=sampler_config.steps_per_dispatch,
       mesh=mesh,
-      replicas=sc.replicas,
+      replicas=sampler_config.replicas,
     )
   except ValueError as e:
     if 'replicas' not in str(e):
@@ -82,22 +88,30 @@ DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
 
 def check_sampler(config, batch_shards):
   """The `sampler` section against the rollout's groups (a group's samples decode together)."""
-  sc, need = config.sampler, checks.need
+  sampler_config, need = config.sampler, checks.need
   need(
-    sc.engine == 'jrl' or plugins.is_import_path(sc.engine),
+    sampler_config.engine == 'jrl' or plugins.is_import_path(sampler_config.engine),
     'sampler.engine',
     "must be 'jrl' (the paged sampler) or an import path 'package.module:make_engine'.",
   )
-  need(sc.decode_weights in DECODE_WEIGHTS, 'sampler.decode_weights', f'one of {DECODE_WEIGHTS}.')
-  need(sc.num_slots % sc.replicas == 0, 'sampler.replicas', 'must divide sampler.num_slots.')
   need(
-    batch_shards % sc.replicas == 0,
+    sampler_config.decode_weights in DECODE_WEIGHTS,
+    'sampler.decode_weights',
+    f'one of {DECODE_WEIGHTS}.',
+  )
+  need(
+    sampler_config.num_slots % sampler_config.replicas == 0,
+    'sampler.replicas',
+    'must divide sampler.num_slots.',
+  )
+  need(
+    batch_shards % sampler_config.replicas == 0,
     'sampler.replicas',
     f'must be 1, mesh.data or mesh.data x mesh.fsdp (the batch shards: {batch_shards}).',
   )
   if 'rl' in config:
     need(
-      sc.num_slots // sc.replicas >= config.rl.group_size,
+      sampler_config.num_slots // sampler_config.replicas >= config.rl.group_size,
       'sampler.num_slots',
       'divided by sampler.replicas must be >= rl.group_size (a group decodes on one replica).',
     )

@@ -36,7 +36,7 @@ from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, run_step
 from jrl.trainers import checks, common, engines, rollout
-from jrl.trainers.held_out import decode
+from jrl.trainers.evaluation.held_out import decode
 from jrl.trainers.setup import seed
 
 # name -> (task with a `demonstration(example, use_tool)`, factory(tokenizer) -> Environment)

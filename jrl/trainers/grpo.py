@@ -5,7 +5,7 @@ REINFORCE++), with an optional SFT warm-up first.
 RL iteration reads:
 
     rollout  = topology.next_rollout(params, it)      # generate + score (worker)
-    rollout  = place_rollout(rollout, ...)            # mesh, reward shaping, reference
+    rollout  = place_rollout(rollout, ...)            # mesh, reference (rewards shaped)
     A        = advantages(rewards, loss_mask)         # group-normalised, per token
     state    = epochs x minibatches of policy_step.train_step(state, batch)
 
@@ -30,7 +30,6 @@ from jrl import parallel
 from jrl.trainers import (
   checks,
   common,
-  controller,
   memory_plan,
   online,
   policy_step,
@@ -99,6 +98,7 @@ def build(
 
   def new_state(params, tx):
     extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
+    extra.update(online.reward_state(config.reward))
     return setup.new_state(params, tx, res.mesh, extra)
 
   state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
@@ -115,7 +115,7 @@ def build(
       put(tokens), put(mask), put(loss_mask), zeros, zeros, zeros, is_weights
     )
 
-  steps, packer, plan = online.planned_steps(
+  steps, packer, plan = memory_plan.planned_steps(
     config,
     res,
     state,
@@ -124,57 +124,41 @@ def build(
     probe_batch,
     worker=worker,
   )
-  shaper = online.RewardShaper(config.reward)
   adv_cfg = policy_step.advantage_config(rl)
 
-  def batch(state, ro, old_logp, is_weights, m):
+  def batch(state, generated, old_logp, is_weights, m):
     """The group-relative advantages of a placed rollout, and its PolicyBatch."""
     del state, m
-    mask = ro.batch.loss_mask
+    mask = generated.batch.loss_mask
     kl_reward = None
     if adv_cfg.kl_coef_in_reward:
-      kl_reward = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator='k1', mask=mask)
-    adv = steps.advantages(jnp.asarray(ro.rewards), mask, kl_BxT=kl_reward)
+      kl_reward = L.kl_penalty(generated.old_logp, generated.ref_logp, estimator='k1', mask=mask)
+    adv = steps.advantages(jnp.asarray(generated.rewards), mask, kl_BxT=kl_reward)
     full = policy_step.PolicyBatch(
-      tokens=ro.batch.tokens,
-      mask=ro.batch.mask,
+      tokens=generated.batch.tokens,
+      mask=generated.batch.mask,
       loss_mask=mask,
       old_logp=old_logp,
-      ref_logp=ro.ref_logp,
+      ref_logp=generated.ref_logp,
       advantages=adv,
       is_weights=is_weights,
     )
     return full, adv
 
-  rl_iteration = functools.partial(
-    online.iteration,
-    algorithm=online.Algorithm(batch, steps.rl),
-    config=config,
-    res=res,
-    topo=topo,
-    shaper=shaper,
-    logprobs=steps.logprobs,
-    packer=packer,
-    uses_ref=uses_ref,
-  )
-
-  def iterate(state, it):
-    return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
-
-  return controller.Job(
+  return online.job(
+    config,
     res,
     state,
-    iterate,
-    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params), int(state.step)),
+    worker=worker,
+    topo=topo,
+    warmup=warmup,
+    algorithm=online.Algorithm(batch, steps.rl),
+    steps=steps,
+    packer=packer,
+    plan=plan,
+    uses_ref=uses_ref,
     start_rl=lambda state: new_state(state.params, tx),
-    topology=topo,
-    shaper=shaper,
-    reward_errors=lambda: worker.last_errors,
-    samples=lambda: worker.last_samples,
     models=('sft', 'actor'),
-    close=worker.close,
-    steps=(warmup, steps),
-    memory_plan=plan,
   )
 
 

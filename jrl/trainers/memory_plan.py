@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jrl import distributed
+from jrl.data import layouts
 from jrl.trainers import common
 
 # The smallest micro-batch without remat, as a share of the minibatch's tokens.
@@ -223,3 +224,71 @@ def plan(config, device, whole, row, measure, bound, path=''):
     with open(path, 'w', encoding='utf-8') as f:
       json.dump({'options': key, 'plan': chosen._asdict()}, f, indent=1)
   return chosen
+
+
+def worst_case_rows(config, seq_len, vocab_size):
+  """Host (tokens, mask, loss_mask) [minibatch, seq_len] of the largest
+  minibatch a run can produce: every sequence max_prompt_len prompt tokens
+  then max_response_len response tokens, each group of `rl.group_size` rows
+  sharing its prompt (the memory plan's probe)."""
+  rl, task = config.rl, config.task
+  mb, p = rl.minibatch_size, task.max_prompt_len
+  tokens = np.zeros((mb, seq_len), np.int32)
+  tokens[:, :p] = 1 + (np.arange(mb) // rl.group_size)[:, None] % (vocab_size - 1)
+  mask = np.zeros((mb, seq_len), bool)
+  mask[:, : p + task.max_response_len] = True
+  loss_mask = mask.copy()
+  loss_mask[:, :p] = False
+  return tokens, mask, loss_mask
+
+
+def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1, worker=None):
+  """(steps, packer, Plan): the update's remat policy and
+  micro-batch budget chosen by `plan` (`train.memory_plan`).
+
+  Args:
+    state: the train state the update step takes (only its shapes are read).
+    packer: the config's Packer; the returned one has the plan's budget.
+    make_steps: (remat, packer) -> the algorithm's Steps, the update first.
+    probe_batch: (tokens, mask, loss_mask) host [B, T] -> the update's batch
+      on the mesh (without `packed`).
+    models: how many models of the policy's size the update trains (PPO: 2).
+    worker: the rollout worker, closed (its reward processes stopped) when
+      the plan fails.
+  """
+  try:
+    return _planned_steps(config, res, state, packer, make_steps, probe_batch, models)
+  except BaseException:
+    if worker is not None:
+      worker.close()
+    raise
+
+
+def _planned_steps(config, res, state, packer, make_steps, probe_batch, models):
+  rl = config.rl
+  shards = common.batch_shards(res.batch_sharding)
+  per_row = rl.group_size if packer.kind == 'shared_prompt' else 1
+  if packer.kind == 'shared_prompt':
+    task = config.task
+    row = layouts.shared_row_len(task.max_prompt_len, rl.group_size, task.max_response_len)
+  else:
+    row = packer.row_len
+  whole = math.ceil(rl.minibatch_size / per_row / shards) * row
+
+  def build(remat, budget):
+    p = common.Packer(packer.row_len, packer.sharding, budget, packer.kind)
+    return make_steps(remat, p), p
+
+  def measure(remat, budget):
+    steps, p = build(remat, budget)
+    rows = worst_case_rows(config, res.seq_len, res.model.config.vocab_size)
+    batch = probe_batch(*rows)._replace(packed=p.for_step(*rows))
+    return step_bytes(steps[0], abstract(state), batch)
+
+  num_params = sum(x.size for x in jax.tree.leaves(res.params))
+  bound = models * upper_bound(res.model.config, num_params, whole, row, config.train.chunk_size)
+  path = os.path.join(res.workdir, 'memory_plan.json')
+  device = next(d for d in res.mesh.devices.flat if d.process_index == jax.process_index())
+  chosen = plan(config, device, whole, row, measure, bound, path)
+  steps, packer = build(chosen.remat, chosen.budget)
+  return steps, packer, chosen

@@ -7,8 +7,6 @@ Offline algorithms (SFT, DPO, reward model) import nothing from here.
 """
 
 import functools
-import math
-import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -25,8 +23,8 @@ from jrl.trainers import (
   checks,
   common,
   contracts,
+  controller,
   engines,
-  memory_plan,
   rollout,
   setup,
   sft,
@@ -131,8 +129,8 @@ def start(config, sections=SECTIONS):
   """(Resources, rollout mesh, prompt rows): the set-up of an online run up
   to the model, with every config check (of the shared sections and the
   algorithm's `sections`) that needs no model."""
-  tc = config.topology
-  rollout_devices = tc.rollout_devices if tc.kind != 'colocated' else 0
+  topology_config = config.topology
+  rollout_devices = topology_config.rollout_devices if topology_config.kind != 'colocated' else 0
   res, rollout_mesh = setup.start(config, sections, rollout_devices)
   rollout.check_reward_functions(config.reward)
   return res, rollout_mesh, prompt_rows(config, res.batch_sharding)
@@ -162,119 +160,57 @@ def finish(config, res, rollout_mesh, rows, make_worker):
   return worker, topology.make(config, worker, res, rollout_mesh, checks.iterations(config))
 
 
-def worst_case_rows(config, seq_len, vocab_size):
-  """Host (tokens, mask, loss_mask) [minibatch, seq_len] of the largest
-  minibatch a run can produce: every sequence max_prompt_len prompt tokens
-  then max_response_len response tokens, each group of `rl.group_size` rows
-  sharing its prompt (the memory plan's probe)."""
-  rl, task = config.rl, config.task
-  mb, p = rl.minibatch_size, task.max_prompt_len
-  tokens = np.zeros((mb, seq_len), np.int32)
-  tokens[:, :p] = 1 + (np.arange(mb) // rl.group_size)[:, None] % (vocab_size - 1)
-  mask = np.zeros((mb, seq_len), bool)
-  mask[:, : p + task.max_response_len] = True
-  loss_mask = mask.copy()
-  loss_mask[:, :p] = False
-  return tokens, mask, loss_mask
+MOMENTS = 'reward_moments'  # the train state's `extra` entry of `reward.normalize`
 
 
-def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1, worker=None):
-  """(steps, packer, memory_plan.Plan): the update's remat policy and
-  micro-batch budget chosen by `memory_plan.plan` (`train.memory_plan`).
-
-  Args:
-    state: the train state the update step takes (only its shapes are read).
-    packer: the config's Packer; the returned one has the plan's budget.
-    make_steps: (remat, packer) -> the algorithm's Steps, the update first.
-    probe_batch: (tokens, mask, loss_mask) host [B, T] -> the update's batch
-      on the mesh (without `packed`).
-    models: how many models of the policy's size the update trains (PPO: 2).
-    worker: the rollout worker, closed (its reward processes stopped) when
-      the plan fails.
-  """
-  try:
-    return _planned_steps(config, res, state, packer, make_steps, probe_batch, models)
-  except BaseException:
-    if worker is not None:
-      worker.close()
-    raise
+def reward_state(reward_config):
+  """What reward shaping keeps in the train state's `extra`: with
+  `reward.normalize` the running moments (`jrl.rewards.shaping`, as float32
+  scalars, checkpointed with the state), else nothing."""
+  if not reward_config.normalize:
+    return {}
+  return {MOMENTS: jax.tree.map(jnp.float32, reward_norm.init())}
 
 
-def _planned_steps(config, res, state, packer, make_steps, probe_batch, models):
-  rl = config.rl
-  shards = common.batch_shards(res.batch_sharding)
-  per_row = rl.group_size if packer.kind == 'shared_prompt' else 1
-  if packer.kind == 'shared_prompt':
-    task = config.task
-    row = layouts.shared_row_len(task.max_prompt_len, rl.group_size, task.max_response_len)
-  else:
-    row = packer.row_len
-  whole = math.ceil(rl.minibatch_size / per_row / shards) * row
-
-  def build(remat, budget):
-    p = common.Packer(packer.row_len, packer.sharding, budget, packer.kind)
-    return make_steps(remat, p), p
-
-  def measure(remat, budget):
-    steps, p = build(remat, budget)
-    rows = worst_case_rows(config, res.seq_len, res.model.config.vocab_size)
-    batch = probe_batch(*rows)._replace(packed=p.for_step(*rows))
-    return memory_plan.step_bytes(steps[0], memory_plan.abstract(state), batch)
-
-  num_params = sum(x.size for x in jax.tree.leaves(res.params))
-  bound = models * memory_plan.upper_bound(
-    res.model.config, num_params, whole, row, config.train.chunk_size
-  )
-  path = os.path.join(res.workdir, 'memory_plan.json')
-  device = next(d for d in res.mesh.devices.flat if d.process_index == jax.process_index())
-  plan = memory_plan.plan(config, device, whole, row, measure, bound, path)
-  steps, packer = build(plan.remat, plan.budget)
-  return steps, packer, plan
+def shape_rewards(state, raw, reward_config, m):
+  """(state, shaped rewards [N]): `raw` [N] clipped (`reward.clip`), or with
+  `reward.normalize` normalised by the running moments in `state.extra`
+  after this batch is folded in; the new moments go back into the state.
+  Runs in the main thread in step order, so a resumed run shapes alike."""
+  clip = reward_config.clip
+  if not reward_config.normalize:
+    return state, reward_norm.clip_rewards(raw, clip)
+  held = state.extra[MOMENTS]
+  moments = reward_norm.update(reward_norm.RunningMoments(*map(float, held)), raw)
+  shaped = reward_norm.normalize(moments, raw, clip=clip)
+  m['reward/running_mean'] = float(moments.mean)
+  m['reward/running_std'] = reward_norm.std(moments)
+  m['reward/shaped_mean'] = float(shaped.mean())
+  new = jax.tree.map(lambda x, old: jax.device_put(jnp.float32(x), old.sharding), moments, held)
+  return state._replace(extra={**state.extra, MOMENTS: new}), shaped
 
 
-class RewardShaper:
-  """Clipping and running normalisation (`reward.clip`, `reward.normalize`),
-  in the main thread and in step order, so a resumed run shapes alike. Its
-  moments are checkpointed by the controller."""
-
-  def __init__(self, reward_config):
-    self.clip = reward_config.clip
-    self.normalize = reward_config.normalize
-    self.moments = reward_norm.init()
-
-  def __call__(self, raw, m):
-    if self.normalize:
-      self.moments = reward_norm.update(self.moments, raw)
-      shaped = reward_norm.normalize(self.moments, raw, clip=self.clip)
-      m['reward/running_mean'] = float(self.moments.mean)
-      m['reward/running_std'] = reward_norm.std(self.moments)
-      m['reward/shaped_mean'] = float(shaped.mean())
-      return shaped
-    return reward_norm.clip_rewards(raw, self.clip)
-
-
-def place_rollout(ro, res, shaper, logprobs, ref_params, rows):
-  """A worker's Rollout placed on the mesh, its rewards shaped, with
+def place_rollout(generated, res, logprobs, ref_params, rows):
+  """A worker's Rollout (its rewards shaped) placed on the mesh, with
   reference logprobs (`logprobs(params, tokens, mask)` over minibatches of
   `rows`; zeros when `ref_params` is None)."""
-  m = dict(ro.metrics)
+  m = dict(generated.metrics)
   start = time.perf_counter()
-  placed = common.place(ro.batch, res.batch_sharding)
-  ref_logp = jnp.zeros(ro.batch.tokens.shape, jnp.float32)
+  placed = common.place(generated.batch, res.batch_sharding)
+  ref_logp = jnp.zeros(generated.batch.tokens.shape, jnp.float32)
   if ref_params is not None:
     with res.tracer.span('reference'):
       ref_logp = common.minibatched(logprobs, ref_params, placed, rows, res.batch_sharding)
       jax.block_until_ready(ref_logp)
   t_ref = time.perf_counter() - start
   m['time/reference'] = t_ref
-  num_tokens = int(np.asarray(ro.batch.mask).sum())
+  num_tokens = int(np.asarray(generated.batch.mask).sum())
   if ref_params is not None:
     m['throughput/reference_tokens_per_s'] = num_tokens / max(t_ref, 1e-9)
-  return ro._replace(
+  return generated._replace(
     batch=placed,
-    old_logp=common.place(ro.old_logp, res.batch_sharding),
+    old_logp=common.place(generated.old_logp, res.batch_sharding),
     ref_logp=ref_logp,
-    rewards=shaper(ro.rewards, m),
     metrics=m,
     num_tokens=num_tokens,
   )
@@ -316,8 +252,8 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       if packer is not None:
         mini = mini._replace(packed=packer.for_step(*(x[order] for x in host)))
         efficiency.append((*packer.last, len(mini.packed) if packer.budget else 1))
-      state, um = step(state, mini)
-      results.append(um)
+      state, update_metrics = step(state, mini)
+      results.append(update_metrics)
   results = jax.device_get(results)
   m = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
   if efficiency:
@@ -349,31 +285,31 @@ def logprobs_fn(config, graphdef, packer=None):
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
-def proximal(logprobs, params, ro, it, res):
+def proximal(logprobs, params, generated, it, res):
   """Decoupled PPO for a rollout of an older policy (one-step-off): the
   proximal logprobs (`logprobs`, the run's jitted logprob step, at the
   current `params`), the truncated importance weights proximal / behaviour
   (capped at `topology.is_cap`) and their metrics. A rollout of the current
-  version (`ro.version == it`) keeps its behaviour logprobs, weights 1."""
-  if ro.version == it:
-    return ro.old_logp, jnp.ones_like(ro.old_logp), {}
+  version (`generated.version == it`) keeps its behaviour logprobs, weights 1."""
+  if generated.version == it:
+    return generated.old_logp, jnp.ones_like(generated.old_logp), {}
   config = res.config
   with res.tracer.span('proximal'):
     old_logp = common.minibatched(
-      logprobs, params, ro.batch, config.rl.minibatch_size, res.batch_sharding
+      logprobs, params, generated.batch, config.rl.minibatch_size, res.batch_sharding
     )
     jax.block_until_ready(old_logp)
   is_weights, is_metrics = L.importance_weights(
     old_logp,
-    ro.old_logp,
-    ro.batch.loss_mask,
+    generated.old_logp,
+    generated.batch.loss_mask,
     level='token',
     mode='truncate',
     high=config.topology.is_cap,
   )
   m = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
   m['rollout/behaviour_logp_diff_abs'] = float(
-    L.token_mean(jnp.abs(old_logp - ro.old_logp), ro.batch.loss_mask)
+    L.token_mean(jnp.abs(old_logp - generated.old_logp), generated.batch.loss_mask)
   )
   return old_logp, is_weights, m
 
@@ -394,34 +330,37 @@ class Algorithm(NamedTuple):
   after: Callable | None = None
 
 
-def iteration(state, it, algorithm, *, config, res, topo, shaper, logprobs, packer, uses_ref):
+def iteration(state, it, algorithm, *, config, res, topo, logprobs, packer, uses_ref):
   """One RL iteration of an online algorithm, top to bottom: the rollout (its
-  worker, through the topology) -> placed on the mesh, rewards shaped, the
+  worker, through the topology) -> rewards shaped -> placed on the mesh, the
   reference pass -> for a rollout of an older policy, the proximal pass and
   its importance weights -> the algorithm's batch and advantages ->
   `rl.epochs` passes of its update over minibatches -> metrics."""
   rl = config.rl
   t_step = time.perf_counter()
-  ro = topo.next_rollout(state.params, it)
+  generated = topo.next_rollout(state.params, it)
+  state, shaped = shape_rewards(state, generated.rewards, config.reward, generated.metrics)
   ref_params = state.extra['ref_params'] if uses_ref else None
-  ro = place_rollout(ro, res, shaper, logprobs, ref_params, rl.minibatch_size)
-  m = dict(ro.metrics)
-  old_logp, is_weights = ro.old_logp, None
+  generated = place_rollout(
+    generated._replace(rewards=shaped), res, logprobs, ref_params, rl.minibatch_size
+  )
+  m = dict(generated.metrics)
+  old_logp, is_weights = generated.old_logp, None
   if topo.staleness:
-    old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, ro, it, res)
+    old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, generated, it, res)
     m.update(stale_metrics)
-  full, adv = algorithm.batch(state, ro, old_logp, is_weights, m)
+  full, adv = algorithm.batch(state, generated, old_logp, is_weights, m)
   with topo.update_window(), res.tracer.span('update', iteration=it):
-    state, um, t_update = run_minibatches(
+    state, update_metrics, t_update = run_minibatches(
       algorithm.update, state, full, config, it, res.batch_sharding, packer
     )
-  m.update(um)
-  m.update(advantage_metrics(adv, ro.batch.loss_mask))
+  m.update(update_metrics)
+  m.update(advantage_metrics(adv, generated.batch.loss_mask))
   if algorithm.after is not None:
-    state = algorithm.after(state, ro, m)
+    state = algorithm.after(state, generated, m)
   m['time/update'] = t_update
   m['time/step'] = time.perf_counter() - t_step
-  m['throughput/update_tokens_per_s'] = rl.epochs * ro.num_tokens / max(t_update, 1e-9)
+  m['throughput/update_tokens_per_s'] = rl.epochs * generated.num_tokens / max(t_update, 1e-9)
   m['phase'] = 1.0
   return state, m
 
@@ -434,3 +373,61 @@ def advantage_metrics(adv, loss_mask):
     'advantages/max': float(values.max()),
     'advantages/min': float(values.min()),
   }
+
+
+def job(
+  config,
+  res,
+  state,
+  *,
+  worker,
+  topo,
+  warmup,
+  algorithm,
+  steps,
+  packer,
+  plan,
+  uses_ref,
+  start_rl,
+  models,
+):
+  """The `controller.Job` of an online run: SFT warm-up iterations
+  (`warmup`, `sft.steps` of them), then `iteration` with `algorithm`.
+
+  Args:
+    steps: the algorithm's jitted steps (their `logprobs`: the reference and
+      proximal passes, laid out by `packer`).
+    plan: the memory plan the update was built with.
+    uses_ref: whether the run has a reference model.
+    start_rl: state -> state when RL begins (a fresh optimiser, the policy as
+      the reference).
+    models: the models whose skipped updates the controller counts.
+  """
+  rl_iteration = functools.partial(
+    iteration,
+    algorithm=algorithm,
+    config=config,
+    res=res,
+    topo=topo,
+    logprobs=steps.logprobs,
+    packer=packer,
+    uses_ref=uses_ref,
+  )
+
+  def iterate(state, it):
+    return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
+
+  return controller.Job(
+    res,
+    state,
+    iterate,
+    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params), int(state.step)),
+    start_rl=start_rl,
+    topology=topo,
+    reward_errors=lambda: worker.last_errors,
+    samples=lambda: worker.last_samples,
+    models=models,
+    close=worker.close,
+    steps=(warmup, steps),
+    memory_plan=plan,
+  )

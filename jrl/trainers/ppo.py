@@ -29,7 +29,6 @@ from jrl.models import hf as hf_lib
 from jrl.trainers import (
   checks,
   common,
-  controller,
   memory_plan,
   online,
   policy_step,
@@ -270,6 +269,7 @@ def build(
     critic_graphdefs.append(critic_graphdef)
     extra['critic'] = common.init_state(critic_params, critic_tx)
     extra['kl_ctl'] = kl_ctl.init()
+    extra.update(online.reward_state(config.reward))
     return setup.new_state(params, tx, res.mesh, extra)
 
   state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
@@ -286,7 +286,7 @@ def build(
     is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
     return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights)
 
-  steps, packer, plan = online.planned_steps(
+  steps, packer, plan = memory_plan.planned_steps(
     config,
     res,
     state,
@@ -296,22 +296,23 @@ def build(
     models=2,  # the policy and its critic
     worker=worker,
   )
-  shaper = online.RewardShaper(config.reward)
 
-  def batch(state, ro, old_logp, is_weights, m):
+  def batch(state, generated, old_logp, is_weights, m):
     """The critic's values, the KL-shaped token rewards, GAE (whitened) and
     the PPOBatch of a placed rollout."""
-    mask = ro.batch.loss_mask
+    mask = generated.batch.loss_mask
     beta = float(state.extra['kl_ctl'].coef)  # read before the state is donated
-    kl = jnp.zeros_like(ro.old_logp)
+    kl = jnp.zeros_like(generated.old_logp)
     if uses_ref:
-      kl = L.kl_penalty(ro.old_logp, ro.ref_logp, estimator=rl.kl_estimator, mask=mask)
+      kl = L.kl_penalty(
+        generated.old_logp, generated.ref_logp, estimator=rl.kl_estimator, mask=mask
+      )
     token_rewards = L.token_level_rewards(
-      jnp.asarray(ro.rewards), mask, kl=kl, kl_coef=beta if in_reward else 0.0
+      jnp.asarray(generated.rewards), mask, kl=kl, kl_coef=beta if in_reward else 0.0
     )
     critic = state.extra['critic']
     old_values = common.minibatched(
-      steps.values, critic.params, ro.batch, rl.minibatch_size, res.batch_sharding
+      steps.values, critic.params, generated.batch, rl.minibatch_size, res.batch_sharding
     )
     adv, returns = steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
@@ -320,11 +321,11 @@ def build(
     m['critic/values_mean'] = float(L.token_mean(old_values, mask))
     m['critic/returns_mean'] = float(L.token_mean(returns, mask))
     full = PPOBatch(
-      ro.batch.tokens,
-      ro.batch.mask,
+      generated.batch.tokens,
+      generated.batch.mask,
       mask,
       old_logp,
-      ro.ref_logp,
+      generated.ref_logp,
       adv,
       returns,
       old_values,
@@ -332,42 +333,27 @@ def build(
     )
     return full, adv
 
-  def after(state, ro, m):
+  def after(state, generated, m):
     """The KL controller, updated by the KL the rollout measured."""
-    del ro
+    del generated
     n = rl.prompts_per_step * rl.group_size
     new_ctl = kl_ctl.update(state.extra['kl_ctl'], m['rollout/kl'], n)
     return state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
 
-  rl_iteration = functools.partial(
-    online.iteration,
-    algorithm=online.Algorithm(batch, steps.ppo, after),
-    config=config,
-    res=res,
-    topo=topo,
-    shaper=shaper,
-    logprobs=steps.logprobs,
-    packer=packer,
-    uses_ref=uses_ref,
-  )
-
-  def iterate(state, it):
-    return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
-
-  return controller.Job(
+  return online.job(
+    config,
     res,
     state,
-    iterate,
-    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params), int(state.step)),
+    worker=worker,
+    topo=topo,
+    warmup=warmup,
+    algorithm=online.Algorithm(batch, steps.ppo, after),
+    steps=steps,
+    packer=packer,
+    plan=plan,
+    uses_ref=uses_ref,
     start_rl=lambda state: new_state(state.params, tx),
-    topology=topo,
-    shaper=shaper,
-    reward_errors=lambda: worker.last_errors,
-    samples=lambda: worker.last_samples,
     models=('sft', 'actor', 'critic'),
-    close=worker.close,
-    steps=(warmup, steps),
-    memory_plan=plan,
   )
 
 

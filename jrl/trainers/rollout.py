@@ -30,7 +30,7 @@ from jrl.rewards import shaping as reward_norm
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
 from jrl.trainers import checks, common, engines
-from jrl.trainers.held_out import HeldOut, decode
+from jrl.trainers.evaluation.held_out import HeldOut, decode
 from jrl.trainers.setup import seed
 
 
@@ -92,22 +92,21 @@ def check_reward_functions(reward_config):
 
 def inline_reward_fns(reward_config, tokenizer, mesh):
   """Reward functions that need this process's state: a jrl reward model, a judge."""
-  rc = reward_config
   fns = {}
-  if rc.model_path:
+  if reward_config.model_path:
     from jrl.rewards.model import RewardModel
 
-    fns['reward_model'] = RewardModel.load(rc.model_path, tokenizer, mesh=mesh)
-  if rc.judge_path:
+    fns['reward_model'] = RewardModel.load(reward_config.model_path, tokenizer, mesh=mesh)
+  if reward_config.judge_path:
     from jrl.rewards.judge import GenerativeJudge
 
     judge = GenerativeJudge.load(
-      rc.judge_path,
+      reward_config.judge_path,
       tokenizer,
-      rc.judge_rubric,
+      reward_config.judge_rubric,
       mode='score',
-      max_new_tokens=rc.judge_max_new_tokens,
-      max_prompt_len=rc.judge_max_prompt_len,
+      max_new_tokens=reward_config.judge_max_new_tokens,
+      max_prompt_len=reward_config.judge_max_prompt_len,
       mesh=mesh,
     )
     fns['judge'] = judge.as_reward_fn()
@@ -118,24 +117,29 @@ def make_scorer(reward_config, tokenizer, mesh, is_main):
   """(reward service, sandbox level or None). Starts the worker processes; a
   code reward refuses here, at start-up, unless its sandbox is isolated or
   `reward.sandbox_unsafe` opts in."""
-  rc = reward_config
-  if rc.url:
-    remote = RemoteRewardService(rc.url, timeout_s=rc.timeout_s, unscored_value=rc.unscored_value)
+  if reward_config.url:
+    remote = RemoteRewardService(
+      reward_config.url,
+      timeout_s=reward_config.timeout_s,
+      unscored_value=reward_config.unscored_value,
+    )
     return remote, None
   level = None
-  sandboxed = [name for name in rc.functions if rewards.uses_sandbox(name)]
+  sandboxed = [name for name in reward_config.functions if rewards.uses_sandbox(name)]
   if sandboxed:
-    level = rewards.code.configure_sandbox(rc.sandbox_unsafe, rewards.code.Settings.of(rc))
+    level = rewards.code.configure_sandbox(
+      reward_config.sandbox_unsafe, rewards.code.Settings.of(reward_config)
+    )
     if is_main:
       print(f'{", ".join(sandboxed)}: sandbox isolation {level!r}', flush=True)
   service = rewards.RewardService(
-    rc.functions,
-    rc.weights,
-    unscored_value=rc.unscored_value,
-    mode=rc.mode,
-    workers=rc.workers,
-    timeout_s=rc.timeout_s,
-    inline_fns=inline_reward_fns(rc, tokenizer, mesh),
+    reward_config.functions,
+    reward_config.weights,
+    unscored_value=reward_config.unscored_value,
+    mode=reward_config.mode,
+    workers=reward_config.workers,
+    timeout_s=reward_config.timeout_s,
+    inline_fns=inline_reward_fns(reward_config, tokenizer, mesh),
   )
   return service, level
 

@@ -99,13 +99,13 @@ def tokenizer(config):
 
 
 def encoder(config, tok):
-  tk = config.task
+  task_config = config.task
   return tasks.Encoder(
     tok,
-    tk.chat_template,
-    tk.add_bos,
-    system_prompt=tk.system_prompt,
-    template_kwargs=tk.chat_template_kwargs.to_dict(),
+    task_config.chat_template,
+    task_config.add_bos,
+    system_prompt=task_config.system_prompt,
+    template_kwargs=task_config.chat_template_kwargs.to_dict(),
   )
 
 
@@ -127,9 +127,12 @@ def examples(config, enc, tok):
   """(checker, task, streams). Every example is encoded once now: a character
   the tokenizer lacks or a prompt over `task.max_prompt_len` fails here with
   its file and line."""
-  tk = config.task
+  task_config = config.task
   checker = tasks.ExampleChecker(
-    enc.prompt_ids, tok.encode, tk.max_prompt_len, tk.max_prompt_len + tk.max_response_len
+    enc.prompt_ids,
+    tok.encode,
+    task_config.max_prompt_len,
+    task_config.max_prompt_len + task_config.max_response_len,
   )
   # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
   # (prompt, answer) examples: then their answers must fit a row too.
@@ -142,7 +145,7 @@ def examples(config, enc, tok):
   if 'reward' in config and 'code_tests' in config.reward.functions:
     prompt_check = _with_code_tests(prompt_check, config.reward)
     train_check = _with_code_tests(train_check, config.reward)
-  task = tasks.Task(tk, config.seed, prompt_check, train_check)
+  task = tasks.Task(task_config, config.seed, prompt_check, train_check)
   sft_source = task.train
   if sft_check is not None and sft.train_path:
     sft_source = read_sft_jsonl(sft.train_path, check=sft_check)
@@ -429,7 +432,7 @@ def resources(config, mesh):
   enc = encoder(config, tok)
   checker, task, streams = examples(config, enc, tok)
   model, params = build_model(config, tok, mesh)
-  tk = config.task
+  task_config = config.task
   return Resources(
     config=config,
     workdir=workdir,
@@ -441,7 +444,7 @@ def resources(config, mesh):
     streams=streams,
     model=model,
     params=params,
-    seq_len=tk.max_prompt_len + tk.max_response_len,
+    seq_len=task_config.max_prompt_len + task_config.max_response_len,
     stop_tokens=tuple(tok.eos_ids),
     batch_sharding=parallel.batch_sharding(mesh),
     tracer=trace.Tracer(enabled=config.log.trace, pid=jax.process_index()),

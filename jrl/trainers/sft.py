@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from jrl import distributed, parallel
 from jrl import losses as L
-from jrl.trainers import checks, common, controller, engines, held_out, setup
+from jrl.trainers import checks, common, controller, engines, setup
+from jrl.trainers.evaluation import held_out
 
 
 def sft_loss(params, graphdef, batch, chunk_size=1024):

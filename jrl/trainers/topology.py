@@ -114,11 +114,11 @@ class Colocated:
     start = time.perf_counter()
     params = self.rollout_params(params)
     t_reshard = time.perf_counter() - start
-    ro = self.worker.sample(params, iteration)
-    ro.metrics['time/reshard'] = t_reshard
-    ro.metrics['time/rollout_wait'] = time.perf_counter() - t_wait
-    ro.metrics['rollout/staleness'] = 0.0
-    return ro
+    generated = self.worker.sample(params, iteration)
+    generated.metrics['time/reshard'] = t_reshard
+    generated.metrics['time/rollout_wait'] = time.perf_counter() - t_wait
+    generated.metrics['rollout/staleness'] = 0.0
+    return generated
 
   def checkpoint(self, streams):
     """(the streams' states to save, behaviour parameters to save or None)."""
@@ -189,17 +189,17 @@ class OneStepOff:
         behaviour, version = self.rollout_params(params), it
         t_reshard = time.perf_counter() - start
       self.pending = self.executor.submit(self.worker.sample, behaviour, it, version)
-    ro = self.pending.result()
+    generated = self.pending.result()
     t_wait = time.perf_counter() - t_wait
     self.pending = self.pending_params = self.pending_streams = None
     if self.staleness and it + 1 < self.total:
       self.pending_streams = {name: s.state() for name, s in self.streams.items()}
       self.pending_params = self.rollout_params(params)
       self.pending = self.executor.submit(self.worker.sample, self.pending_params, it + 1, it)
-    ro.metrics['time/reshard'] = t_reshard
-    ro.metrics['time/rollout_wait'] = t_wait
-    ro.metrics['rollout/staleness'] = float(it - ro.version)
-    return ro
+    generated.metrics['time/reshard'] = t_reshard
+    generated.metrics['time/rollout_wait'] = t_wait
+    generated.metrics['rollout/staleness'] = float(it - generated.version)
+    return generated
 
   def checkpoint(self, streams):
     """The rollout in flight is not saved; the parameters it reads are, with
@@ -230,26 +230,26 @@ class OneStepOff:
 def check(config, batch_shards):
   """The `topology` section: a known kind, and devices left for both sides."""
   del batch_shards
-  tc, need = config.topology, checks.need
-  need(tc.kind in KINDS, 'topology.kind', f'must be one of {KINDS}.')
+  topology_config, need = config.topology, checks.need
+  need(topology_config.kind in KINDS, 'topology.kind', f'must be one of {KINDS}.')
   need(
-    tc.kind != 'disaggregated' or tc.rollout_devices >= 1,
+    topology_config.kind != 'disaggregated' or topology_config.rollout_devices >= 1,
     'topology.rollout_devices',
     'must be >= 1 for a disaggregated topology.',
   )
   need(
-    tc.rollout_devices < jax.device_count(),
+    topology_config.rollout_devices < jax.device_count(),
     'topology.rollout_devices',
     f'must leave devices for training (there are {jax.device_count()}).',
   )
   need(
-    tc.kind != 'colocated' or tc.rollout_devices == 0,
+    topology_config.kind != 'colocated' or topology_config.rollout_devices == 0,
     'topology.rollout_devices',
     "must be 0 for a colocated topology (use 'disaggregated').",
   )
   online = tuple(name for name, a in checks.REGISTRY.items() if a.online)
   need(
-    tc.kind != 'one_step_off' or config.algorithm in online,
+    topology_config.kind != 'one_step_off' or config.algorithm in online,
     'topology.kind',
     f'one_step_off runs the online algorithms {online} only (they train on rollouts).',
   )

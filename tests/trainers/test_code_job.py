@@ -14,7 +14,7 @@ from configs import grpo_smollm2_code
 from jrl import trainers
 from jrl.rewards import code
 from jrl.rewards.code import formats
-from jrl.trainers import held_out
+from jrl.trainers.evaluation import held_out
 from launch import make_code_data
 from tests.helpers import human_eval_verdicts, records, set_fields, write_tiny_chat_model
 

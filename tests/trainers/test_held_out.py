@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import tests.rewards.fixtures  # noqa: F401  (registers test_first_even)
-from jrl import evaluation, trainers
+from jrl import trainers
 from jrl.data import sources
-from jrl.trainers import held_out
+from jrl.trainers.evaluation import held_out
+from jrl.trainers.evaluation import scores as evaluation
 from tests.helpers import QUIET, records, shrunk_config
 
 

@@ -13,6 +13,8 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,8 +24,8 @@ from jrl.metrics import read_jsonl
 from jrl.models import hf
 from jrl.models.tokenizer import load_tokenizer
 from jrl.rewards.model import RewardModel
-from jrl.trainers import controller, rollout
-from tests.helpers import QUIET, shrunk_config
+from jrl.trainers import common, controller, online, rollout
+from tests.helpers import QUIET, restore, shrunk_config
 
 
 def write_pairs(path, n, seed):
@@ -128,6 +130,39 @@ def test_ppo_against_the_reward_model_with_normalisation(pipeline):
   assert abs(last['reward/shaped_mean']) <= 1.5
   assert -1.0 <= last['reward/length_corr'] <= 1.0
   assert jax.tree.leaves(state.params)
+  # The running moments live in the train state: both steps' rewards folded
+  # in, and checkpointed with it, so a resumed run normalises alike.
+  moments = state.extra['reward_moments']
+  assert float(moments.count) == 2 * rows
+  np.testing.assert_allclose(float(moments.mean), last['reward/running_mean'], rtol=1e-6)
+  saved, meta = restore(str(root / 'ppo'))
+  assert 'reward_moments' not in meta
+  held = saved['extra']['reward_moments']  # a dict of the fields, as Orbax reads it back
+  assert {k: float(held[k]) for k in moments._fields} == moments._asdict()
+
+
+def test_reward_moments_fold_batch_by_batch_in_the_train_state():
+  """Two batches shaped one after the other: the moments in the state are
+  those of both batches at once, and each batch is normalised by the moments
+  that include it."""
+  reward_config = ml_collections.ConfigDict({'normalize': True, 'clip': 0.0})
+  state = common.TrainState(jnp.int32(0), {}, (), online.reward_state(reward_config))
+  rng = np.random.default_rng(0)
+  first, second = rng.normal(3.0, 2.0, 16), rng.normal(-1.0, 0.5, 8)
+  m = {}
+  state, _ = online.shape_rewards(state, first, reward_config, m)
+  state, shaped = online.shape_rewards(state, second, reward_config, m)
+  both = np.concatenate([first, second])
+  count, mean, m2 = (float(x) for x in state.extra['reward_moments'])
+  assert count == both.size
+  np.testing.assert_allclose([mean, m2 / count], [both.mean(), both.var()], rtol=1e-6)
+  np.testing.assert_allclose(shaped, (second - both.mean()) / both.std(), rtol=1e-5, atol=1e-6)
+  assert m['reward/running_std'] == pytest.approx(both.std(), rel=1e-6)
+  # Without normalisation only the clip applies, and the state holds nothing.
+  plain = ml_collections.ConfigDict({'normalize': False, 'clip': 1.0})
+  assert online.reward_state(plain) == {}
+  _, clipped = online.shape_rewards(state, first, plain, {})
+  np.testing.assert_array_equal(clipped, np.clip(first, -1, 1).astype(np.float32))
 
 
 def test_reward_model_config_errors_name_the_field(tmp_path, pipeline):

@@ -144,7 +144,7 @@ def test_the_held_out_evaluation_of_an_offline_run_reads_the_copy(tmp_path, monk
   """SFT on a 2 data x 4 fsdp mesh, evaluated before and after its step: the
   held-out sampler reads a gathered copy (a 'reshard' span per evaluation)
   and scores what the run reading the trainer's arrays scores."""
-  from jrl.trainers import held_out
+  from jrl.trainers.evaluation import held_out
 
   logged = {}
   for mode in ('sharded', 'gathered'):

@@ -14,7 +14,7 @@ from configs import grpo_smollm2_gsm
 from jrl import trainers
 from jrl.data import word_problems
 from jrl.models import hf as hf_lib
-from jrl.trainers import held_out
+from jrl.trainers.evaluation import held_out
 from tests.helpers import records, set_fields, write_tiny_chat_model
 
 

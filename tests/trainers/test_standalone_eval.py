@@ -1,4 +1,4 @@
-"""Evaluation without a trainer (`jrl.trainers.standalone_eval`, `launch/eval.py`)
+"""Evaluation without a trainer (`jrl.trainers.evaluation.standalone`, `launch/eval.py`)
 on configs/grpo_smollm2_gsm.py shrunk, with a tiny random Llama of SmolLM2's
 layout: the printed mean@n / pass@k and greedy accuracy agree with the rows
 written; a run's checkpoint decodes as its Hugging Face export does; a
@@ -16,9 +16,11 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from configs import grpo_smollm2_gsm
-from jrl import evaluation, trainers
+from jrl import trainers
 from jrl.data import word_problems
-from jrl.trainers import held_out, standalone_eval
+from jrl.trainers.evaluation import held_out
+from jrl.trainers.evaluation import scores as evaluation
+from jrl.trainers.evaluation import standalone as standalone_eval
 from tests.helpers import REPO, set_fields, write_tiny_chat_model
 
 SHRINK = {

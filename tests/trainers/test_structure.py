@@ -104,7 +104,7 @@ def test_offline_algorithms_build_no_sampler_reward_workers_or_topology(
   monkeypatch.setattr(topology, 'make', refuse('a topology'))
   config = offline_config(algorithm, tmp_path)
   job = trainers.build(config)
-  assert job.topology is None and job.shaper is None
+  assert job.topology is None
   state = controller.train(job)
   own = {'dpo': config.get('dpo'), 'reward_model': config.get('rm')}.get(algorithm)
   warmup = config.sft.steps if 'sft' in config else 0

@@ -1,7 +1,7 @@
 """Held-out evaluation without a trainer: of a Hugging Face directory or of a
 run's checkpoint.
 
-    from jrl.trainers import standalone_eval
+    from jrl.trainers.evaluation import standalone as standalone_eval
     standalone_eval.evaluate(config, model_path='models/smollm2', samples=4, out='before.jsonl')
     standalone_eval.evaluate(config, step=450)   # checkpoint 450 of config.workdir
     # -> {'eval/accuracy': ..., 'eval/accuracy_se': ..., 'eval/sampled/mean@4': ..., ...}
@@ -9,7 +9,7 @@ run's checkpoint.
 (`launch/eval.py` is the command line.) Only what evaluation needs is built:
 the mesh, the tokenizer and prompt encoder, the held-out examples
 (`task.eval_path`, or the generated arithmetic held-out set), the model, a
-sampler and a `HeldOut` (`jrl.trainers.held_out`), which decodes every
+sampler and a `HeldOut` (`jrl.trainers.evaluation.held_out`), which decodes every
 problem greedily and, with `eval.samples` = n > 0, n times at
 `eval.temperature`, and scores them with `eval.reward`. No training examples
 are read, and no optimiser, training reward service or topology is made.
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jrl import checkpoint, distributed, parallel, trace
 from jrl.data import ANSWER_EXTRACTORS, read_prompts, tasks
 from jrl.trainers import engines, setup
-from jrl.trainers.held_out import EXAMPLES_FILE, HeldOut
+from jrl.trainers.evaluation.held_out import EXAMPLES_FILE, HeldOut
 
 # Algorithms whose policy is evaluated on held-out prompts by `HeldOut`; the
 # reward model (pairwise accuracy) and the agent (tool-use episodes, task
@@ -75,49 +75,54 @@ def held_out_examples(config, enc, tok):
   """The held-out examples as {'prompt', 'answer', ...} dicts, checked as in
   training: every prompt fits `task.max_prompt_len` (or is dropped with
   `task.long_prompts='filter'`). A prompt file's training split is not read."""
-  tk = config.task
+  task_config = config.task
   checker = tasks.ExampleChecker(
-    enc.prompt_ids, tok.encode, tk.max_prompt_len, tk.max_prompt_len + tk.max_response_len
+    enc.prompt_ids,
+    tok.encode,
+    task_config.max_prompt_len,
+    task_config.max_prompt_len + task_config.max_response_len,
   )
-  if tk.kind in ('file', 'jsonl'):
-    examples = _eval_file(tk, checker.prompt)
+  if task_config.kind in ('file', 'jsonl'):
+    examples = _eval_file(task_config, checker.prompt)
   else:
-    examples = tasks.Task(tk, config.seed, checker.prompt).held_out
+    examples = tasks.Task(task_config, config.seed, checker.prompt).held_out
   if not examples:
-    raise ValueError(f'no held-out examples to evaluate (`task.kind` {tk.kind!r}).')
+    raise ValueError(f'no held-out examples to evaluate (`task.kind` {task_config.kind!r}).')
   return examples
 
 
-def _eval_file(tk, check):
+def _eval_file(task_config, check):
   """The first `task.eval_size` rows of `task.eval_path`, read as `tasks.Task` reads it."""
-  if not tk.eval_path:
+  if not task_config.eval_path:
     raise ValueError('`task.eval_path` is empty: there are no held-out examples to evaluate.')
-  if not os.path.exists(tk.eval_path):
-    raise FileNotFoundError(f'`task.eval_path` {tk.eval_path}: no such file.')
-  if tk.long_prompts not in tasks.Task.LONG_PROMPTS:
+  if not os.path.exists(task_config.eval_path):
+    raise FileNotFoundError(f'`task.eval_path` {task_config.eval_path}: no such file.')
+  if task_config.long_prompts not in tasks.Task.LONG_PROMPTS:
     raise ValueError(
-      f'`task.long_prompts` must be one of {tasks.Task.LONG_PROMPTS}, got {tk.long_prompts!r}.'
+      f'`task.long_prompts` must be one of {tasks.Task.LONG_PROMPTS}, '
+      f'got {task_config.long_prompts!r}.'
     )
-  if tk.answer_extractor not in ANSWER_EXTRACTORS:
+  if task_config.answer_extractor not in ANSWER_EXTRACTORS:
     raise ValueError(
-      f'`task.answer_extractor` must be one of {ANSWER_EXTRACTORS}, got {tk.answer_extractor!r}.'
+      f'`task.answer_extractor` must be one of {ANSWER_EXTRACTORS}, '
+      f'got {task_config.answer_extractor!r}.'
     )
   read = read_prompts(
-    tk.eval_path,
-    prompt_key=tk.prompt_key,
-    answer_key=tk.answer_key,
-    answer_extractor=tk.answer_extractor,
+    task_config.eval_path,
+    prompt_key=task_config.prompt_key,
+    answer_key=task_config.answer_key,
+    answer_extractor=task_config.answer_extractor,
     check=check,
-    drop=(tasks.PromptTooLong,) if tk.long_prompts == 'filter' else (),
+    drop=(tasks.PromptTooLong,) if task_config.long_prompts == 'filter' else (),
   )
   if read.dropped and distributed.is_main():
     where, why = read.dropped[0]
     print(
       f'eval: dropped {len(read.dropped)} of {len(read.rows) + len(read.dropped)} rows of '
-      f'{tk.eval_path} (task.long_prompts=filter); the first, {where}: {why}',
+      f'{task_config.eval_path} (task.long_prompts=filter); the first, {where}: {why}',
       file=sys.stderr,
     )
-  return read.rows[: tk.eval_size]
+  return read.rows[: task_config.eval_size]
 
 
 def check_model_dir(path):

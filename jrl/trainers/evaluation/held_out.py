@@ -7,7 +7,7 @@ Every held-out problem is decoded greedily; its accuracy is the share that
 `eval.reward` scores > 0.5, reported with its standard error
 √(p(1 − p) / N) and, with `eval.group_key` set (e.g. 'difficulty'), per
 value of that field of the rows. With `eval.samples` = n > 0 every problem
-is also sampled n times at `eval.temperature`, and `jrl.evaluation.summarize`
+is also sampled n times at `eval.temperature`, and `scores.summarize`
 turns the [P, n] scores into mean@n and pass@k for k in 1, 2, 4, ... n.
 
 Each evaluation appends its rows (the problem, the greedy completion and
@@ -28,8 +28,9 @@ import threading
 import jax
 import numpy as np
 
-from jrl import distributed, evaluation, rewards, sampler
+from jrl import distributed, rewards, sampler
 from jrl.trainers import engines, topology
+from jrl.trainers.evaluation import scores
 from jrl.trainers.setup import seed
 
 EXAMPLES_FILE = 'eval_samples.jsonl'
@@ -109,8 +110,10 @@ class HeldOut:
     """[P, repeat] eval-reward scores of texts laid out problem-major."""
     if self._scorer is None:
       if 'reward' in self.config and rewards.uses_sandbox(self.config.eval.reward):
-        rc = self.config.reward  # the sandbox's settings, for the scorer's worker
-        rewards.code.configure_sandbox(rc.sandbox_unsafe, rewards.code.Settings.of(rc))
+        reward_config = self.config.reward  # the sandbox's settings, for the scorer's worker
+        rewards.code.configure_sandbox(
+          reward_config.sandbox_unsafe, rewards.code.Settings.of(reward_config)
+        )
       self._scorer = rewards.RewardService(
         (self.config.eval.reward,),
         mode='process',
@@ -151,7 +154,7 @@ class HeldOut:
         [decode(self.tokenizer, c.tokens, self.stop_tokens) for c in g] for g in sampled
       ]
       sampled_scores = self._score([t for ts in sampled_texts for t in ts], n)
-      out.update(evaluation.summarize(sampled_scores, pass_ks(n), prefix='eval/sampled'))
+      out.update(scores.summarize(sampled_scores, pass_ks(n), prefix='eval/sampled'))
     if distributed.is_main():
       self._write(step, greedy_texts, greedy_scores, sampled_texts, sampled_scores)
     return out
@@ -159,7 +162,7 @@ class HeldOut:
   def _write(self, step, greedy_texts, greedy_scores, sampled_texts, sampled_scores):
     if sampled_scores is None:
       sampled_scores = np.zeros((len(self.examples), 0))
-    rows = evaluation.per_example(self.examples, sampled_texts, sampled_scores)
+    rows = scores.per_example(self.examples, sampled_texts, sampled_scores)
     with open(self.path, 'a', encoding='utf-8') as f:
       for row, text, score in zip(rows, greedy_texts, greedy_scores, strict=True):
         row = {'updates': step, 'greedy': text, 'greedy_score': float(score), **row}
