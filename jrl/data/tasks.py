@@ -45,6 +45,12 @@ class ExampleChecker:
     self.max_prompt_len = max_prompt_len
     self.seq_len = seq_len
 
+  @classmethod
+  def of(cls, task_config, encoder, tokenizer):
+    """The checker of a run's `task` section, its `Encoder` and tokenizer."""
+    seq_len = task_config.max_prompt_len + task_config.max_response_len
+    return cls(encoder.prompt_ids, tokenizer.encode, task_config.max_prompt_len, seq_len)
+
   def _ids(self, example, key, fn):
     try:
       return fn(example[key])

@@ -128,12 +128,7 @@ def examples(config, enc, tok):
   the tokenizer lacks or a prompt over `task.max_prompt_len` fails here with
   its file and line."""
   task_config = config.task
-  checker = tasks.ExampleChecker(
-    enc.prompt_ids,
-    tok.encode,
-    task_config.max_prompt_len,
-    task_config.max_prompt_len + task_config.max_response_len,
-  )
+  checker = tasks.ExampleChecker.of(task_config, enc, tok)
   # SFT reads (prompt, response) pairs from `sft.train_path`, else the task's
   # (prompt, answer) examples: then their answers must fit a row too.
   sft = config.sft if 'sft' in config else None

@@ -76,12 +76,7 @@ def held_out_examples(config, enc, tok):
   training: every prompt fits `task.max_prompt_len` (or is dropped with
   `task.long_prompts='filter'`). A prompt file's training split is not read."""
   task_config = config.task
-  checker = tasks.ExampleChecker(
-    enc.prompt_ids,
-    tok.encode,
-    task_config.max_prompt_len,
-    task_config.max_prompt_len + task_config.max_response_len,
-  )
+  checker = tasks.ExampleChecker.of(task_config, enc, tok)
   if task_config.kind in ('file', 'jsonl'):
     examples = _eval_file(task_config, checker.prompt)
   else:
