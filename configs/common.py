@@ -19,6 +19,9 @@ shrunk to a run of seconds (`SMOKE`), the one the tests start from.
 """
 
 import ml_collections
+from ml_collections.config_dict import FieldReference
+
+from jrl import losses as L
 
 # The smoke variant: a tiny model (for fresh models; a checkpoint keeps its
 # shape), at most 2 SFT and 3 RL / DPO / reward-model iterations, 16 rows per
@@ -239,6 +242,9 @@ def sft_section():
   s.lr = 1e-3  # SFT learning rate (the other optimiser settings come from `optim`)
   s.warmup_steps = 10  # SFT linear warm-up
   s.train_path = ''  # JSONL {"prompt", "response"}; '' = the task's (prompt, answer)
+  # Demonstrations: only the first N examples of that source, repeated in a new
+  # order each epoch (0: all of them; a generated task's are endless)
+  s.examples = 0
   return s
 
 
@@ -251,40 +257,73 @@ def rl_section():
   s.epochs = 1  # passes over each rollout batch
   s.minibatch_size = 128  # rows per optimiser step; divides B x G
   s.advantage = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
-  s.adv_scale = 'group'  # grpo: 'group' | 'batch' | 'none'
-  s.adv_std = 'unbiased'  # grpo: 'unbiased' | 'biased'
-  s.adv_eps = 1e-6  # added to the std
-  s.gamma = 1.0  # REINFORCE++ discount
-  s.policy_loss = 'ppo'  # 'ppo' (clip) | 'gspo' | 'cispo' | 'sapo' | 'vespo' (TRL's defaults)
-  s.eps_low = 0.2  # clip range below 1
-  s.eps_high = 0.2  # clip range above 1 (DAPO clip-higher: 0.28)
-  s.dual_clip_c = 0.0  # dual-clip bound for A < 0 (0: off)
-  s.log_ratio_clamp = 0.0  # clamp log-ratios before exp (0: off)
+  # rl.adv.<estimator>.<argument>: the estimators' keyword arguments under their own
+  # names, seeded with their defaults (`jrl.losses.default_args`), e.g. rl.adv.grpo.scale
+  # ('group' | 'batch' | 'none'), rl.adv.grpo.eps, rl.adv.reinforce_pp.gamma.
+  s.adv = objective_section(L.ADVANTAGE_ESTIMATORS, L.ADVANTAGE_ARGS)
+  s.policy_loss = 'ppo'  # 'ppo' (clip) | 'gspo' | 'cispo' | 'sapo' | 'vespo'
+  # rl.loss.<policy loss>.<argument>: the same for the policy losses, e.g.
+  # rl.loss.ppo.eps_high (DAPO's clip-higher: 0.28), rl.loss.ppo.dual_clip_c,
+  # rl.loss.sapo.tau_pos, rl.loss.vespo.k_neg. None: the function's default (ppo's
+  # eps_high: eps_low; its dual_clip_c and log_ratio_clamp: off).
+  s.loss = objective_section(L.POLICY_LOSSES, L.POLICY_LOSS_ARGS)
   s.loss_agg = 'token-mean'  # see jrl.losses.AGGREGATION_MODES
-  s.loss_norm = 0.0  # seq-mean-token-sum-norm constant (0: padded length)
+  s.loss_norm = optional()  # seq-mean-token-sum-norm constant (None: padded length)
   s.kl_coef = 0.0  # β; 0 skips the reference model
   s.kl_in = 'loss'  # 'loss' (GRPO) or 'reward' (REINFORCE++, PPO)
   s.kl_estimator = 'k3'  # k1 | k2 | k3 | abs | k3_ratio_corrected (kl_in='loss' only)
-  s.sapo_tau_pos = 1.0  # sapo: gate temperature for A > 0 (TRL's default)
-  s.sapo_tau_neg = 1.05  # sapo: gate temperature for A <= 0
-  s.vespo_k_pos = 2.0  # vespo: kernel exponent k for A >= 0 (TRL's default)
-  s.vespo_lambda_pos = 3.0  # vespo: kernel decay λ for A >= 0
-  s.vespo_k_neg = 3.0  # vespo: kernel exponent k for A < 0
-  s.vespo_lambda_neg = 2.0  # vespo: kernel decay λ for A < 0
+  s.kl_input_clamp = optional()  # clamp on log(π/π_ref) (None: off)
+  s.kl_output_clamp = optional()  # clamp on the per-token KL (None: off)
   # Drop whole sequences with A < 0 whose mean log(π_old/π) exceeds this
-  # (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); 0: off
-  s.off_policy_mask_threshold = 0.0
+  # (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); None: off
+  s.off_policy_mask_threshold = optional()
   # MoE models: the router's load-balancing loss (Switch Transformer; Hugging Face's
   # router_aux_loss_coef, 0.001 for Qwen3-MoE) added to the policy loss. 0: off.
   s.router_aux_coef = 0.0
-  s.kl_input_clamp = 0.0  # 0: off
-  s.kl_output_clamp = 0.0  # 0: off
   s.entropy_coef = 0.0  # entropy bonus weight
   s.overlong_buffer = 0  # DAPO: tokens before task.max_response_len where a length penalty starts
   s.overlong_penalty = 1.0  # DAPO: penalty at task.max_response_len
   s.dynamic_sampling = False  # DAPO: drop zero-variance groups and draw more prompts
   s.dynamic_sampling_max_draws = 3  # extra prompt draws per step
   return s
+
+
+def optional(value=None):
+  """A field holding a number or None (a bound, clamp or constant that can
+  be off). On the command line its value is read as a Python literal:
+  `--config.rl.loss.ppo.dual_clip_c=3.0`, `...=None`."""
+  return FieldReference(value, field_type=object)
+
+
+def objective_section(table, args):
+  """`rl.adv` / `rl.loss`: a section per function of `table` holding its
+  settable keyword arguments (`args`) with the function's own defaults."""
+  s = ml_collections.ConfigDict()
+  for name, defaults in L.default_args(table, args).items():
+    s[name] = ml_collections.ConfigDict(
+      {k: optional() if v is None else v for k, v in defaults.items()}
+    )
+  return s
+
+
+def seed_preset(c, name):
+  """Sets `c.rl` to the GRPO of preset `name` (`jrl.losses.PRESETS`: 'verl',
+  'trl', 'openrlhf', 'nemo_rl', 'dr_grpo', 'dapo'): its advantage estimator
+  and arguments, the PPO-clip loss and its bounds, the aggregation, the KL
+  estimator, clamps and β in the loss. Returns `c`."""
+  p, rl = L.get_preset(name), c.rl
+  rl.advantage = p.advantage
+  preset_adv = {'scale': p.adv_scale, 'std': p.adv_std, 'eps': p.adv_eps, 'singleton': p.singleton}
+  for key in rl.adv[p.advantage]:
+    if key in preset_adv:
+      rl.adv[p.advantage][key] = preset_adv[key]
+  rl.policy_loss = 'ppo'
+  for key in rl.loss.ppo:
+    rl.loss.ppo[key] = getattr(p, key)
+  rl.loss_agg, rl.loss_norm = p.loss_agg, p.loss_norm
+  rl.kl_in, rl.kl_coef, rl.kl_estimator = 'loss', p.kl_coef, p.kl_estimator
+  rl.kl_input_clamp, rl.kl_output_clamp = p.kl_input_clamp, p.kl_output_clamp
+  return c
 
 
 def sampling_section():

@@ -7,8 +7,9 @@ prompt file and a math-answer reward.
 
 Rows are {"prompt": "...", "answer": "42"} (or "prompt" as chat messages);
 prompts go through the checkpoint's chat template and the reward parses the
-final answer (\\boxed{}, ####, "the answer is", last number). Conventions as
-in veRL's GRPO example: k3 KL in the loss with β = 0.001, token-mean.
+final answer (\\boxed{}, ####, "the answer is", last number). The loss is
+veRL's GRPO (`common.seed_preset(c, 'verl')`: k3 KL in the loss with β = 0.001
+and its clamps, dual clip 3, log-ratio clamp 20, token-mean).
 """
 
 from configs import common
@@ -34,10 +35,7 @@ def get_config(arg=None):
   c.rl.prompts_per_step = 32
   c.rl.group_size = 8
   c.rl.minibatch_size = 64
-  c.rl.kl_coef = 0.001
-  c.rl.kl_estimator = 'k3'
-  c.rl.kl_input_clamp = 20.0
-  c.rl.kl_output_clamp = 10.0
+  common.seed_preset(c, 'verl')
   c.train.chunk_size = 512
   c.optim.lr = 1e-6
   c.optim.warmup_steps = 10

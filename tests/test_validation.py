@@ -59,9 +59,11 @@ BAD_FIELDS = [
   ('sampling.top_p', 1.5, '> 0 and <= 1'),
   ('sampling.top_p', 0.0, '> 0 and <= 1'),
   ('sampling.top_k', -1, '>= 0'),
-  ('rl.eps_low', 1.0, '>= 0 and < 1'),
-  ('rl.gamma', 1.01, '>= 0 and <= 1'),
-  ('rl.dual_clip_c', 0.5, '> 1, or 0'),
+  ('rl.loss.ppo.eps_low', 1.0, '>= 0 and < 1'),
+  ('rl.adv.reinforce_pp.gamma', 1.01, '>= 0 and <= 1'),
+  ('rl.loss.ppo.dual_clip_c', 0.5, '> 1, or None'),
+  ('rl.loss.sapo.tau_pos', 0.0, '> 0'),
+  ('rl.kl_output_clamp', 0.0, '> 0, or None'),
   ('task.max_prompt_len', 0, '>= 1'),
   ('train.chunk_size', 0, '>= 1'),
   ('rl.overlong_penalty', -1.0, '>= 0'),
@@ -348,7 +350,7 @@ def test_every_config_has_a_smoke_variant(name):
   smoke = parse(os.path.join(REPO, 'configs', f'{name}.py:smoke'))
   assert smoke.is_locked and smoke.algorithm == full.algorithm
   for key, value in config_common.SMOKE.items():
-    (present, got), was = checks._lookup(smoke, key), checks._lookup(full, key)[1]
+    (present, got), was = checks.lookup(smoke, key), checks.lookup(full, key)[1]
     if not present:  # a section this algorithm does not read
       assert key.split('.')[0] not in full, key
       continue

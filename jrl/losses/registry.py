@@ -33,6 +33,7 @@ caller need not know which loss takes what. Two rules keep this explicit:
 Nothing here sees a config: names and values are plain strings and numbers.
 """
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -125,6 +126,25 @@ AGGREGATION_MODES = reductions.AGGREGATION_MODES
 
 
 # Lookups -------------------------------------------------------------------------
+
+
+# The arguments a caller does not choose: the trainer passes the mapped axis,
+# and REINFORCE++'s β is the run's KL coefficient.
+SUPPLIED_ARGS = ('axis_name', 'kl_coef')
+
+
+def default_args(table, args):
+  """{name: {argument: the function's default}} for each function of
+  `table` (`POLICY_LOSSES`, `ADVANTAGE_ESTIMATORS`) and the arguments its
+  entry in `args` (`POLICY_LOSS_ARGS`, `ADVANTAGE_ARGS`) lists, except
+  `SUPPLIED_ARGS`. The values are the functions' own (None where the
+  function's default is None); a config seeded from them holds no second copy.
+  """
+  out = {}
+  for name, fn in table.items():
+    params = inspect.signature(fn).parameters
+    out[name] = {k: params[k].default for k in args[name] if k not in SUPPLIED_ARGS}
+  return out
 
 
 def get_policy_loss(name, field='policy_loss'):

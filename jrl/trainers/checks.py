@@ -64,14 +64,15 @@ def count(lo=0, **kw):
   return Range(True, lo, **kw)
 
 
-def positive():
-  """A float > 0 (learning rates, temperatures, timeouts)."""
-  return Range(False, 0, lo_open=True)
+def positive(optional=False):
+  """A float > 0 (learning rates, temperatures, timeouts); `optional`: or
+  None (a clamp or bound that is off)."""
+  return Range(False, 0, lo_open=True, also=(None,) if optional else ())
 
 
-def non_negative():
-  """A float >= 0 (coefficients and clamps where 0 means off)."""
-  return Range(False, 0)
+def non_negative(optional=False):
+  """A float >= 0 (coefficients and clamps where 0 means off); `optional`: or None."""
+  return Range(False, 0, also=(None,) if optional else ())
 
 
 def fraction(lo_open=False, hi_open=False):
@@ -188,7 +189,7 @@ def iterations(config):
   return warmup + (config[own].steps if own and own in config else 0)
 
 
-def _lookup(config, field):
+def lookup(config, field):
   """The value at a dotted path, or (False, None) if a section or field is absent."""
   node = config
   for part in field.split('.'):
@@ -200,6 +201,8 @@ def _lookup(config, field):
 
 def check_field(field, value, rule):
   """Raises ValueError naming `field` unless `value` satisfies `rule`."""
+  if value is None and None in rule.also:
+    return
   is_bool = isinstance(value, bool)
   if rule.integer and (is_bool or not isinstance(value, int)):
     raise ValueError(f'`{field}` must be an int, got {value!r} ({type(value).__name__}).')
@@ -213,7 +216,7 @@ def check_fields(config, fields=None):
   """Checks each field of `fields` (default `FIELDS`) that `config` has;
   raises ValueError naming the first bad one."""
   for field, rule in (FIELDS if fields is None else fields).items():
-    present, value = _lookup(config, field)
+    present, value = lookup(config, field)
     if present:
       check_field(field, value, rule)
 

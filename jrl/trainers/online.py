@@ -44,6 +44,15 @@ def check_rl(config, batch_shards):
   need(rl.advantage in estimators, 'rl.advantage', f'must be one of {estimators}.')
   need(rl.policy_loss in policy_losses, 'rl.policy_loss', f'one of {policy_losses}.')
   need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
+  for field, choices in CHOICES.items():
+    present, value = checks.lookup(config, field)
+    need(not present or value in choices, field, f'must be one of {choices}, got {value!r}.')
+  for section, table in (('adv', L.ADVANTAGE_ARGS), ('loss', L.POLICY_LOSS_ARGS)):
+    for name in rl[section]:
+      need(name in table, f'rl.{section}.{name}', f'is not one of {tuple(table)}.')
+      settable = tuple(k for k in table[name] if k not in L.SUPPLIED_ARGS)
+      for key in rl[section][name]:
+        need(key in settable, f'rl.{section}.{name}.{key}', f'is not one of {settable}.')
   rows = rl.prompts_per_step * rl.group_size
   need(
     rows % rl.minibatch_size == 0,
@@ -87,6 +96,13 @@ def check_rl(config, batch_shards):
   )
 
 
+# The string arguments of the advantage estimators, with the values they take.
+CHOICES = {
+  'rl.adv.grpo.scale': ('group', 'batch', 'none'),
+  'rl.adv.grpo.std': ('unbiased', 'biased'),
+  'rl.adv.grpo.singleton': ('zero', 'raw', 'error'),
+  'rl.adv.loo.normalize': (True, False),
+}
 # The `rl` section: the online algorithms' iterations, rollout batch and policy loss.
 RL = checks.Section(
   'rl',
@@ -96,23 +112,30 @@ RL = checks.Section(
     'rl.group_size': checks.count(1),
     'rl.epochs': checks.count(1),
     'rl.minibatch_size': checks.count(1),
-    'rl.adv_eps': checks.non_negative(),
-    'rl.gamma': checks.fraction(),
-    'rl.eps_low': checks.fraction(hi_open=True),  # the ratio's lower clip 1 - eps_low stays > 0
-    'rl.eps_high': checks.non_negative(),
-    'rl.dual_clip_c': checks.Range(False, 1, lo_open=True, also=(0,)),  # c > 1 (0: off)
-    'rl.log_ratio_clamp': checks.non_negative(),
-    'rl.loss_norm': checks.non_negative(),
+    'rl.adv.grpo.eps': checks.non_negative(),
+    'rl.adv.loo.eps': checks.non_negative(),
+    'rl.adv.reinforce_pp.gamma': checks.fraction(),
+    'rl.adv.reinforce_pp_baseline.gamma': checks.fraction(),
+    # The clip ranges of the PPO-style losses (the ratio's lower clip 1 - eps_low stays > 0).
+    'rl.loss.ppo.eps_low': checks.fraction(hi_open=True),
+    'rl.loss.ppo.eps_high': checks.non_negative(optional=True),  # None: eps_low
+    'rl.loss.ppo.dual_clip_c': checks.Range(False, 1, lo_open=True, also=(None,)),  # c > 1
+    'rl.loss.ppo.log_ratio_clamp': checks.positive(optional=True),
+    'rl.loss.gspo.eps_low': checks.fraction(hi_open=True),
+    'rl.loss.gspo.eps_high': checks.non_negative(),
+    'rl.loss.cispo.eps_high': checks.non_negative(),
+    'rl.loss.sapo.tau_pos': checks.positive(),
+    'rl.loss.sapo.tau_neg': checks.positive(),
+    'rl.loss.sapo.log_ratio_clamp': checks.positive(optional=True),
+    'rl.loss.vespo.k_pos': checks.non_negative(),
+    'rl.loss.vespo.lambda_pos': checks.non_negative(),
+    'rl.loss.vespo.k_neg': checks.non_negative(),
+    'rl.loss.vespo.lambda_neg': checks.non_negative(),
+    'rl.loss_norm': checks.positive(optional=True),
     'rl.kl_coef': checks.non_negative(),
-    'rl.kl_input_clamp': checks.non_negative(),
-    'rl.kl_output_clamp': checks.non_negative(),
-    'rl.sapo_tau_pos': checks.positive(),
-    'rl.sapo_tau_neg': checks.positive(),
-    'rl.vespo_k_pos': checks.non_negative(),
-    'rl.vespo_lambda_pos': checks.non_negative(),
-    'rl.vespo_k_neg': checks.non_negative(),
-    'rl.vespo_lambda_neg': checks.non_negative(),
-    'rl.off_policy_mask_threshold': checks.non_negative(),
+    'rl.kl_input_clamp': checks.positive(optional=True),
+    'rl.kl_output_clamp': checks.positive(optional=True),
+    'rl.off_policy_mask_threshold': checks.non_negative(optional=True),
     'rl.entropy_coef': checks.Range(False),
     'rl.overlong_buffer': checks.count(0),
     'rl.overlong_penalty': checks.non_negative(),

@@ -43,10 +43,9 @@ class PolicyLossConfig(NamedTuple):
   """Plain values, read from `config.rl` at the edge."""
 
   policy_loss: str = 'ppo'  # one of L.POLICY_LOSSES
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  dual_clip_c: float | None = None
-  log_ratio_clamp: float | None = None
+  # ((argument, value), ...): keyword arguments of that loss under its own
+  # names (`config.rl.loss.<policy_loss>`); None or absent: the loss's default
+  loss_args: tuple = ()
   loss_agg: str = 'token-mean'  # one of L.AGGREGATION_MODES
   loss_norm: float | None = None  # seq-mean-token-sum-norm constant (None: L)
   kl_coef: float = 0.0  # KL in the loss (0: off)
@@ -56,34 +55,8 @@ class PolicyLossConfig(NamedTuple):
   entropy_coef: float = 0.0
   temperature: float = 1.0  # the sampling temperature
   chunk_size: int = 1024
-  sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0 (TRL default)
-  sapo_tau_neg: float = 1.05  # SAPO gate temperature for A <= 0 (TRL default)
-  vespo_k_pos: float = 2.0  # VESPO kernel exponent for A >= 0 (TRL default)
-  vespo_lambda_pos: float = 3.0  # VESPO kernel decay for A >= 0
-  vespo_k_neg: float = 3.0  # VESPO kernel exponent for A < 0
-  vespo_lambda_neg: float = 2.0  # VESPO kernel decay for A < 0
   off_policy_mask_threshold: float | None = None  # δ of L.off_policy_sequence_mask (None: off)
   router_aux_coef: float = 0.0  # MoE router load-balancing loss in the loss (0: off)
-
-
-def policy_loss_args(cfg):
-  """The keyword arguments of the registered policy losses (`L.POLICY_LOSS_ARGS`).
-
-  One mapping for every loss: `L.policy_loss_by_name` passes on the ones
-  that the chosen loss takes, and None leaves that loss's default.
-  """
-  return {
-    'eps_low': cfg.eps_low,
-    'eps_high': cfg.eps_high,
-    'dual_clip_c': cfg.dual_clip_c,
-    'log_ratio_clamp': cfg.log_ratio_clamp,
-    'tau_pos': cfg.sapo_tau_pos,
-    'tau_neg': cfg.sapo_tau_neg,
-    'k_pos': cfg.vespo_k_pos,
-    'lambda_pos': cfg.vespo_lambda_pos,
-    'k_neg': cfg.vespo_k_neg,
-    'lambda_neg': cfg.vespo_lambda_neg,
-  }
 
 
 def policy_loss(params, graphdef, batch, cfg):
@@ -110,6 +83,22 @@ def policy_loss(params, graphdef, batch, cfg):
     with_entropy=True,
     with_router_loss=bool(cfg.router_aux_coef),
   )
+  return objective(logp, entropy, router[0] if router else None, batch, cfg)
+
+
+def objective(logp, entropy, router_loss, batch, cfg):
+  """`policy_loss` from the model's outputs: the policy loss named by
+  `cfg`, the off-policy mask and importance weights, the KL and entropy
+  terms, aggregated.
+
+  Args:
+    logp, entropy: [B, T] float32 at the sampling temperature.
+    router_loss: [] the MoE router's load-balancing loss, or None.
+    batch: PolicyBatch; cfg: PolicyLossConfig.
+
+  Returns:
+    (loss [], metrics dict of [] float32).
+  """
   stop = jax.lax.stop_gradient
   m_all = batch.loss_mask
   held, m = common.held_mask(m_all, batch.packed)
@@ -118,7 +107,7 @@ def policy_loss(params, graphdef, batch, cfg):
   logp = common.only_held(logp, held, stop(batch.old_logp))
   entropy = common.only_held(entropy, held)
   pg, metrics = L.policy_loss_by_name(
-    cfg.policy_loss, logp, batch.old_logp, batch.advantages, m, policy_loss_args(cfg)
+    cfg.policy_loss, logp, batch.old_logp, batch.advantages, m, dict(cfg.loss_args)
   )
   if cfg.off_policy_mask_threshold is not None:
     # DeepSeek-V3.2's off-policy sequence mask, against the behaviour logprobs.
@@ -153,8 +142,8 @@ def policy_loss(params, graphdef, batch, cfg):
     # share of the minibatch's real tokens (exact for one micro-batch).
     real_mask = batch.mask if held is None else batch.mask & held
     real_share = jnp.sum(real_mask) / jnp.maximum(jnp.sum(batch.mask), 1)
-    loss = loss + cfg.router_aux_coef * real_share * router[0]
-    metrics['actor/router_loss'] = stop(router[0])
+    loss = loss + cfg.router_aux_coef * real_share * router_loss
+    metrics['actor/router_loss'] = stop(router_loss)
   metrics['actor/pg_loss'] = L.aggregate_loss(
     own(stop(pg)), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm
   )
@@ -213,10 +202,9 @@ def apply_update(state, grads, loss, metrics, *, tx, schedule, accum=1):
 
 class AdvantageConfig(NamedTuple):
   estimator: str = 'grpo'  # one of L.ADVANTAGE_ESTIMATORS
-  scale: str = 'group'  # grpo: 'group' | 'batch' | 'none'
-  std: str = 'unbiased'
-  eps: float = 1e-6
-  gamma: float = 1.0  # REINFORCE++ discount
+  # ((argument, value), ...): keyword arguments of that estimator under its
+  # own names (`config.rl.adv.<estimator>`); absent: the estimator's default
+  args: tuple = ()
   kl_coef_in_reward: float = 0.0  # β of a KL penalty folded into the reward
 
 
@@ -227,13 +215,7 @@ def advantages(rewards_B, loss_mask_BxT, group_size, cfg, kl_BxT=None):
   sequence's advantage; REINFORCE++ variants use per-token returns with the
   KL penalty (β = `kl_coef_in_reward`) in the reward.
   """
-  args = {
-    'scale': cfg.scale,
-    'std': cfg.std,
-    'eps': cfg.eps,
-    'gamma': cfg.gamma,
-    'kl_coef': cfg.kl_coef_in_reward,
-  }
+  args = {**dict(cfg.args), 'kl_coef': cfg.kl_coef_in_reward}
   return L.token_advantages_by_name(
     cfg.estimator, rewards_B, loss_mask_BxT, group_size, args, kl=kl_BxT, field='rl.advantage'
   )
@@ -242,31 +224,28 @@ def advantages(rewards_B, loss_mask_BxT, group_size, cfg, kl_BxT=None):
 # From the config ------------------------------------------------------------
 
 
+def settings(section):
+  """((argument, value), ...) of a `config.rl.loss.<name>` / `rl.adv.<name>`
+  section, sorted: hashable, for the static step arguments."""
+  return tuple(sorted(section.items()))
+
+
 def loss_config(rl, chunk_size=1024, temperature=1.0):
   """The PolicyLossConfig of a config's `rl` section (`chunk_size`:
   `train.chunk_size`; `temperature`: `sampling.temperature`, the logprobs'."""
   return PolicyLossConfig(
     policy_loss=rl.policy_loss,
-    eps_low=rl.eps_low,
-    eps_high=rl.eps_high,
-    dual_clip_c=rl.dual_clip_c or None,
-    log_ratio_clamp=rl.log_ratio_clamp or None,
+    loss_args=settings(rl.loss[rl.policy_loss]),
     loss_agg=rl.loss_agg,
-    loss_norm=rl.loss_norm or None,
+    loss_norm=rl.loss_norm,
     kl_coef=rl.kl_coef if rl.kl_in == 'loss' else 0.0,
     kl_estimator=rl.kl_estimator,
-    kl_input_clamp=rl.kl_input_clamp or None,
-    kl_output_clamp=rl.kl_output_clamp or None,
+    kl_input_clamp=rl.kl_input_clamp,
+    kl_output_clamp=rl.kl_output_clamp,
     entropy_coef=rl.entropy_coef,
     temperature=temperature,
     chunk_size=chunk_size,
-    sapo_tau_pos=rl.sapo_tau_pos,
-    sapo_tau_neg=rl.sapo_tau_neg,
-    vespo_k_pos=rl.vespo_k_pos,
-    vespo_lambda_pos=rl.vespo_lambda_pos,
-    vespo_k_neg=rl.vespo_k_neg,
-    vespo_lambda_neg=rl.vespo_lambda_neg,
-    off_policy_mask_threshold=rl.off_policy_mask_threshold or None,
+    off_policy_mask_threshold=rl.off_policy_mask_threshold,
     router_aux_coef=rl.router_aux_coef,
   )
 
@@ -275,9 +254,6 @@ def advantage_config(rl):
   """The AdvantageConfig of a config's `rl` section."""
   return AdvantageConfig(
     estimator=rl.advantage,
-    scale=rl.adv_scale,
-    std=rl.adv_std,
-    eps=rl.adv_eps,
-    gamma=rl.gamma,
+    args=settings(rl.adv[rl.advantage]),
     kl_coef_in_reward=rl.kl_coef if rl.kl_in == 'reward' else 0.0,
   )

@@ -144,11 +144,25 @@ def examples(config, enc, tok):
   sft_source = task.train
   if sft_check is not None and sft.train_path:
     sft_source = read_sft_jsonl(sft.train_path, check=sft_check)
+  if sft is not None and sft.examples:
+    sft_source = first_examples(sft_source, sft.examples)
   streams = {
     'rl_stream': PromptStream(task.train, seed=seed(config.seed, 'rl')),
     'sft_stream': PromptStream(sft_source, seed=seed(config.seed, 'sft')),
   }
   return checker, task, streams
+
+
+def first_examples(source, n):
+  """The first `n` examples of `source` (`sft.examples`): a list of rows or a
+  generated task (`example(i)`)."""
+  if hasattr(source, 'example'):
+    return [source.example(i) for i in range(n)]
+  if len(source) < n:
+    raise ValueError(
+      f'`sft.examples`: {n} demonstrations asked for, the SFT source has {len(source)} rows.'
+    )
+  return list(source)[:n]
 
 
 # The model and its optimisers ---------------------------------------------------

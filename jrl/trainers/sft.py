@@ -136,6 +136,7 @@ SECTION = checks.Section(
     'sft.batch_size': checks.count(1),
     'sft.lr': checks.positive(),
     'sft.warmup_steps': checks.count(0),
+    'sft.examples': checks.count(0),
   },
   check,
 )

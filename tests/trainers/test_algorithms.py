@@ -190,15 +190,15 @@ VARIANTS = {
   'grpo': {},
   'dr_grpo': {'rl.advantage': 'dr_grpo', 'rl.loss_agg': 'seq-mean-token-sum-norm'},
   'dapo': {
-    'rl.eps_high': 0.28,
+    'rl.loss.ppo.eps_high': 0.28,
     'rl.loss_agg': 'token-mean',
     'rl.overlong_buffer': 2,
     'rl.dynamic_sampling': True,
   },
   'gspo': {
     'rl.policy_loss': 'gspo',
-    'rl.eps_low': 3e-4,
-    'rl.eps_high': 4e-4,
+    'rl.loss.gspo.eps_low': 3e-4,
+    'rl.loss.gspo.eps_high': 4e-4,
     'rl.loss_agg': 'seq-mean-token-mean',
     # Updates large enough for sequence ratios to leave [1 - 3e-4, 1 + 4e-4].
     'optim.lr': 1e-3,

@@ -904,19 +904,27 @@ def test_resumed_run_has_no_duplicated_steps(resumed_runs):
 
 
 @pytest.mark.parametrize(
-  'overrides',
+  'overrides, expected',
   [
-    {'rl.policy_loss': 'sapo', 'rl.sapo_tau_neg': 2.0},
-    {'rl.policy_loss': 'vespo', 'rl.vespo_k_pos': 1.0},
-    {'rl.kl_coef': 0.05, 'rl.kl_estimator': 'k3_ratio_corrected'},
-    {'rl.off_policy_mask_threshold': 0.5},
+    ({'rl.policy_loss': 'sapo', 'rl.loss.sapo.tau_neg': 2.0}, {'tau_neg': 2.0, 'tau_pos': 1.0}),
+    ({'rl.policy_loss': 'vespo', 'rl.loss.vespo.k_pos': 1.0}, {'k_pos': 1.0, 'k_neg': 3.0}),
+    ({'rl.kl_coef': 0.05, 'rl.kl_estimator': 'k3_ratio_corrected'}, {}),
+    ({'rl.off_policy_mask_threshold': 0.5}, {}),
   ],
 )
-def test_trl_objectives_reach_the_loss_from_config(overrides):
-  """The TRL-style objectives and their settings go from `rl.*` to the loss."""
+def test_trl_objectives_reach_the_loss_from_config(overrides, expected):
+  """The TRL-style objectives and their settings go from `rl.*` to the loss:
+  the chosen loss's `rl.loss.<name>` section, under the kernel's own argument
+  names, with the kernel's defaults for the others."""
   cfg = policy_step.loss_config(shrunk_config('/tmp/unused', overrides).rl)
+  args = dict(cfg.loss_args)
   for key, value in overrides.items():
+    if key.startswith('rl.loss.'):
+      continue
     assert getattr(cfg, key.split('.', 1)[1]) == value
+  for key, value in expected.items():
+    assert args[key] == value
+  assert set(args) == set(L.POLICY_LOSS_ARGS[cfg.policy_loss]), args
 
 
 def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):
