@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jrl import trainers
+from jrl.trainers import setup
 from tests.helpers import QUIET, REPO, SHRINK, shrunk_config
 
 
@@ -74,3 +75,25 @@ def test_a_restarted_run_loads_its_compiled_programs_from_the_workdir(tmp_path):
   assert len(first) > 10  # the programs of the first run
   new = train(2) - first
   assert len(new) <= 1 and all('finite' in name for name in new), new
+
+
+def test_sft_examples_repeat_the_first_n_demonstrations(tmp_path):
+  """`sft.examples`: the warm-up sees only the first N examples, each epoch in
+  a new order; the RL prompts stay the whole endless task."""
+  config = shrunk_config(tmp_path, {'sft.examples': 4})
+  tok = setup.tokenizer(config)
+  _, task, streams = setup.examples(config, setup.encoder(config, tok), tok)
+  first = sorted(task.train.example(i)['prompt'] for i in range(4))
+  epochs = [[ex['prompt'] for ex in streams['sft_stream'].next(4)] for _ in range(4)]
+  assert all(sorted(epoch) == first for epoch in epochs)
+  assert len({tuple(epoch) for epoch in epochs}) > 1
+  assert len({ex['prompt'] for ex in streams['rl_stream'].next(64)}) > 4
+
+
+def test_sft_examples_beyond_the_file_name_the_field(tmp_path):
+  path = tmp_path / 'sft.jsonl'
+  path.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2=", "response": "4"}\n')
+  config = shrunk_config(tmp_path, {'sft.examples': 3, 'sft.train_path': str(path)})
+  tok = setup.tokenizer(config)
+  with pytest.raises(ValueError, match=r'^`sft\.examples`: 3 demonstrations asked for, .* 2 rows'):
+    setup.examples(config, setup.encoder(config, tok), tok)
