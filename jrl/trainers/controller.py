@@ -101,6 +101,9 @@ class _Progress:
     self.nonfinite_run = 0  # iterations in a row with a skipped update
     self.unscored_run = 0  # iterations in a row left mostly unscored
     self.stop_requested = False  # SIGTERM
+    # `Job.start_rl` has run: False for a checkpoint an SFT-only run (algorithm
+    # steps 0) saved at the end of its warm-up, which a longer run resumes.
+    self.rl_started = False
 
   def on_sigterm(self, signum, frame):
     del signum, frame
@@ -114,6 +117,7 @@ def _meta(job, progress):
     'streams': streams,
     'nonfinite_run': progress.nonfinite_run,
     'unscored_run': progress.unscored_run,
+    'rl_started': progress.rl_started,
     'pending_rollout': behaviour is not None,
     'config': json.loads(job.res.config.to_json_best_effort()),
   }
@@ -148,6 +152,7 @@ def restore(job, checkpointer, state, progress):
     stream.restore(meta['streams'][name])
   progress.nonfinite_run = int(meta.get('nonfinite_run', 0))
   progress.unscored_run = int(meta.get('unscored_run', 0))
+  progress.rl_started = bool(meta.get('rl_started', True))  # older checkpoints: as before
   if job.topology is not None:
     job.topology.restore(checkpointer, latest, meta, restored.params)
   if job.res.is_main:
@@ -194,6 +199,11 @@ def train(job):
   def due(every, it):
     return every and (it % every == 0 or it == total or it == warmup)
 
+  if 0 < progress.iteration == warmup < total and not progress.rl_started and job.start_rl:
+    # The warm-up of an SFT-only run, resumed with the algorithm's steps: RL
+    # begins as in a run that had them from the start.
+    state = job.start_rl(state)
+    progress.rl_started = True
   if progress.iteration == 0 and config.eval.every and config.eval.at_start:
     writer.write(0, {**job.evaluate(state), 'phase': 0.0})
   try:
@@ -208,6 +218,7 @@ def train(job):
       it = progress.iteration = it + 1
       if it == warmup and it < total and job.start_rl is not None:
         state = job.start_rl(state)
+        progress.rl_started = True
       skipped = skipped_updates(m, job.models)
       progress.nonfinite_run = progress.nonfinite_run + 1 if skipped else 0
       if due(config.eval.every, it):

@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from jrl import trainers
 from jrl.trainers import setup
-from tests.helpers import QUIET, REPO, SHRINK, shrunk_config
+from tests.helpers import QUIET, REPO, SHRINK, records, shrunk_config
 
 
 def test_profiles_the_chosen_iteration_with_stage_annotations(tmp_path):
@@ -97,3 +99,26 @@ def test_sft_examples_beyond_the_file_name_the_field(tmp_path):
   tok = setup.tokenizer(config)
   with pytest.raises(ValueError, match=r'^`sft\.examples`: 3 demonstrations asked for, .* 2 rows'):
     setup.examples(config, setup.encoder(config, tok), tok)
+
+
+def test_an_sft_only_run_extended_with_rl_steps_trains_as_a_straight_run(tmp_path):
+  """A run of the warm-up alone (`rl.steps = 0`), rerun with `rl.steps = 2`,
+  starts RL with a fresh optimiser as a run that had the steps from the start
+  does: the same metrics record by record and the same final state."""
+  fields = {**QUIET, 'checkpoint.every': 100, 'log.every': 1}
+  straight = shrunk_config(tmp_path / 'straight', {**fields, 'rl.steps': 2})
+  straight_state = trainers.run(straight)
+  trainers.run(shrunk_config(tmp_path / 'extended', {**fields, 'rl.steps': 0}))
+  extended = shrunk_config(tmp_path / 'extended', {**fields, 'rl.steps': 2})
+  extended_state = trainers.run(extended)
+
+  def history(workdir):
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(('time/', 'throughput/'))}
+    return {r['step']: strip(r) for r in records(workdir)}
+
+  a, b = history(straight.workdir), history(extended.workdir)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  assert a == b
+  assert a[3]['actor/lr'] < a[2]['sft/lr']  # RL's own optimiser (its warm-up), not the SFT one's
+  assert int(extended_state.step) == int(straight_state.step)
+  jax.tree.map(np.testing.assert_array_equal, straight_state.params, extended_state.params)

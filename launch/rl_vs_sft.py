@@ -1,0 +1,177 @@
+"""What RL adds over SFT at equal compute, over several seeds.
+
+    python launch/rl_vs_sft.py --config configs/grpo_arith.py --seeds 0,1,2 \\
+        --out runs/rl_vs_sft.json [--config.<field>=<value> ...]
+
+Three arms per seed, each run by `launch/train.py` in its own process; all
+three begin with the config's SFT warm-up (S = `sft.steps` iterations), then
+spend the same compute in different ways:
+
+- `rl`: the config as it is: the warm-up, then `rl.steps` RL iterations
+  (one run);
+- `sft`: K more SFT iterations instead of the RL phase, as configured
+  (`sft.lr`);
+- `sft_at_rl_lr`: the same K SFT iterations at the RL phase's learning rate
+  (`optim.lr`), so that only the loss differs from the RL phase, not the
+  step size.
+
+The two SFT arms share one warm-up run (`rl.steps = 0`), which each then
+resumes with `sft.steps = S + K` (a resumed run continues exactly). K is
+chosen so that the extra SFT takes the wall time the RL phase took on this
+machine: RL iterations x the median RL iteration time / the median SFT
+iteration time, both measured in the first seed's RL run, rounded up; or
+`--sft_extra_steps K`.
+
+Each run's last checkpoint is scored by `launch/eval.py` (greedy, on the
+task's held-out problems). Prints the accuracy of each run, each arm's mean
+and standard error over seeds, and RL's gain over each SFT arm with its
+standard error (unpaired: sqrt(se_rl^2 + se_sft^2)) and their ratio; writes
+them as JSON to `--out`. `--config.*` flags are passed to every run.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, log_path):
+  """Runs `python args...` in the repository; its output goes to `log_path`."""
+  with open(log_path, 'w', encoding='utf-8') as log:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+  if proc.returncode:
+    raise SystemExit(f'{" ".join(args[:3])} ... failed ({proc.returncode}); see {log_path}')
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def phase_times(workdir):
+  """(median seconds per SFT iteration, median seconds per RL iteration, RL
+  iterations) from a run's metrics (`time/update` of SFT records, `time/step`
+  of RL ones)."""
+  records = _records(workdir)
+  sft = [r['time/update'] for r in records if r.get('phase') == 0.0 and 'time/update' in r]
+  rl = [r['time/step'] for r in records if r.get('phase', 0.0) > 0.0 and 'time/step' in r]
+  if not sft or not rl:
+    raise SystemExit(f'{workdir}: the run logged no SFT or no RL iteration times.')
+  rl_steps = sum(1 for r in records if r.get('phase', 0.0) > 0.0)
+  return statistics.median(sft), statistics.median(rl), rl_steps
+
+
+def accuracy(config, workdir, overrides, log_path):
+  """Greedy held-out accuracy of the run's last checkpoint (`launch/eval.py`)."""
+  out = os.path.join(workdir, 'final_eval.jsonl')
+  args = ['launch/eval.py', f'--config={config}', f'--config.workdir={workdir}', *overrides]
+  _run([*args, '--samples=0', f'--out={out}'], log_path)
+  with open(log_path, encoding='utf-8') as f:
+    lines = [line for line in f if line.startswith('{')]
+  return json.loads(lines[-1])['eval/accuracy']
+
+
+def mean_se(values):
+  """(mean, standard error of the mean)."""
+  mean = statistics.fmean(values)
+  se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float('nan')
+  return mean, se
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--config', default='configs/grpo_arith.py')
+  parser.add_argument('--seeds', default='0,1,2', help='comma-separated run seeds')
+  parser.add_argument('--workdir', default='runs/rl_vs_sft', help='one subdirectory per run')
+  parser.add_argument(
+    '--sft_extra_steps', type=int, default=0, help='K (0: from the measured phase times)'
+  )
+  parser.add_argument('--out', default='', help='JSON of the figures')
+  args, overrides = parser.parse_known_args(argv)
+  bad = [o for o in overrides if not o.startswith('--config.')]
+  if bad:
+    parser.error(f'unknown arguments {bad}: only --config.<field>=<value> are passed on')
+  seeds = [int(s) for s in args.seeds.split(',')]
+  config_path = args.config
+  os.makedirs(args.workdir, exist_ok=True)
+
+  arms = ('rl', 'sft', 'sft_at_rl_lr')
+  runs, extra, timing, resolved = {arm: {} for arm in arms}, args.sft_extra_steps, None, None
+  start = time.time()
+
+  def train(name, run_overrides):
+    workdir = os.path.abspath(os.path.join(args.workdir, name))
+    train_args = ['launch/train.py', f'--config={config_path}', f'--config.workdir={workdir}']
+    _run([*train_args, *run_overrides], os.path.join(args.workdir, f'{name}.train.log'))
+    return workdir
+
+  for seed in seeds:
+    seeded = [*overrides, f'--config.seed={seed}']
+    workdir = train(f'rl_seed{seed}', seeded)
+    if timing is None:
+      timing = phase_times(workdir)
+      with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+        resolved = json.load(f)['config']  # the config after the overrides
+      extra = extra or math.ceil(timing[2] * timing[1] / timing[0])
+    sft_steps = resolved['sft']['steps']
+    arm_overrides = {'rl': seeded}
+    warmup = train(f'warmup_seed{seed}', [*seeded, '--config.rl.steps=0'])
+    longer = [*seeded, '--config.rl.steps=0', f'--config.sft.steps={sft_steps + extra}']
+    arm_overrides['sft'] = longer
+    arm_overrides['sft_at_rl_lr'] = [*longer, f'--config.sft.lr={resolved["optim"]["lr"]}']
+    for arm in arms:
+      name = f'{arm}_seed{seed}'
+      if arm != 'rl':
+        shutil.copytree(warmup, os.path.join(args.workdir, name), dirs_exist_ok=True)
+        workdir = train(name, arm_overrides[arm])  # resumes the warm-up
+      else:
+        workdir = os.path.abspath(os.path.join(args.workdir, name))
+      log = os.path.join(args.workdir, f'{name}.eval.log')
+      runs[arm][seed] = accuracy(config_path, workdir, arm_overrides[arm], log)
+      print(f'seed {seed} {arm}: held-out accuracy {runs[arm][seed]:.3f}', flush=True)
+
+  stats = {}
+  for arm in arms:
+    mean, se = mean_se(list(runs[arm].values()))
+    stats[arm] = {'mean': mean, 'se': se}
+  result = {
+    'config': config_path,
+    'overrides': overrides,
+    'seeds': seeds,
+    'sft_steps': sft_steps,
+    'rl_steps_of_rl_arm': timing[2],
+    'sft_extra_steps': extra,
+    'median_s_per_sft_iteration': timing[0],
+    'median_s_per_rl_iteration': timing[1],
+    'accuracy': runs,
+    **stats,
+    'wall_s': time.time() - start,
+  }
+  for arm in arms[1:]:
+    gain = stats['rl']['mean'] - stats[arm]['mean']
+    se = math.sqrt(stats['rl']['se'] ** 2 + stats[arm]['se'] ** 2)
+    result[f'gain_over_{arm}'] = {'gain': gain, 'se': se, 'ratio': gain / se if se else None}
+  line = ', '.join(f'{arm} {stats[arm]["mean"]:.3f} ± {stats[arm]["se"]:.3f}' for arm in arms)
+  print(
+    f'held-out accuracy over seeds {seeds} (SFT {sft_steps}, then RL {timing[2]} or SFT {extra}):'
+  )
+  print(f'  {line}')
+  for arm in arms[1:]:
+    g = result[f'gain_over_{arm}']
+    print(f'  RL over {arm}: {g["gain"]:+.3f} ± {g["se"]:.3f} ({g["ratio"]:.1f} SE)')
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, 'w', encoding='utf-8') as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+if __name__ == '__main__':
+  main()
