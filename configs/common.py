@@ -125,6 +125,9 @@ def task_section():
   s.kind = 'arith'
   s.digits = 2  # arith: operand digits
   s.ops = '+'  # arith: operators, from '+-*'
+  # arith: the worked answers SFT imitates drop an addition's units carry with this
+  # probability (an imperfect teacher; rewards and evaluation check the true answer)
+  s.carry_slip = 0.0
   s.train_seed = 0  # arith: seed of the training problems
   s.eval_seed = 1  # arith: seed of the held-out problems
   s.eval_size = 200  # held-out examples

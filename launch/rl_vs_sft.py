@@ -3,23 +3,21 @@
     python launch/rl_vs_sft.py --config configs/grpo_arith.py --seeds 0,1,2 \\
         --out runs/rl_vs_sft.json [--config.<field>=<value> ...]
 
-Three arms per seed, each run by `launch/train.py` in its own process; all
-three begin with the config's SFT warm-up (S = `sft.steps` iterations), then
-spend the same compute in different ways:
+Three arms per seed, each run by `launch/train.py` in its own process. All
+three resume one warm-up run (the config's S = `sft.steps` SFT iterations,
+`rl.steps = 0`; a resumed run continues exactly, and RL then starts as in a
+run that had its steps from the start), then spend the same compute in
+different ways:
 
-- `rl`: the config as it is: the warm-up, then `rl.steps` RL iterations
-  (one run);
-- `sft`: K more SFT iterations instead of the RL phase, as configured
-  (`sft.lr`);
+- `rl`: the config as it is: `rl.steps` RL iterations;
+- `sft`: K more SFT iterations instead, as configured (`sft.lr`);
 - `sft_at_rl_lr`: the same K SFT iterations at the RL phase's learning rate
   (`optim.lr`), so that only the loss differs from the RL phase, not the
   step size.
 
-The two SFT arms share one warm-up run (`rl.steps = 0`), which each then
-resumes with `sft.steps = S + K` (a resumed run continues exactly). K is
-chosen so that the extra SFT takes the wall time the RL phase took on this
-machine: RL iterations x the median RL iteration time / the median SFT
-iteration time, both measured in the first seed's RL run, rounded up; or
+K is chosen so that the extra SFT takes the wall time the RL phase took on
+this machine: RL iterations x the median RL iteration time / the median SFT
+iteration time, both measured in the first seed's runs, rounded up; or
 `--sft_extra_steps K`.
 
 Each run's last checkpoint is scored by `launch/eval.py` (greedy, on the
@@ -64,7 +62,7 @@ def phase_times(workdir):
   rl = [r['time/step'] for r in records if r.get('phase', 0.0) > 0.0 and 'time/step' in r]
   if not sft or not rl:
     raise SystemExit(f'{workdir}: the run logged no SFT or no RL iteration times.')
-  rl_steps = sum(1 for r in records if r.get('phase', 0.0) > 0.0)
+  rl_steps = len({r['step'] for r in records if r.get('phase', 0.0) > 0.0})
   return statistics.median(sft), statistics.median(rl), rl_steps
 
 
@@ -114,27 +112,24 @@ def main(argv=None):
 
   for seed in seeds:
     seeded = [*overrides, f'--config.seed={seed}']
-    workdir = train(f'rl_seed{seed}', seeded)
-    if timing is None:
-      timing = phase_times(workdir)
-      with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
-        resolved = json.load(f)['config']  # the config after the overrides
-      extra = extra or math.ceil(timing[2] * timing[1] / timing[0])
-    sft_steps = resolved['sft']['steps']
-    arm_overrides = {'rl': seeded}
     warmup = train(f'warmup_seed{seed}', [*seeded, '--config.rl.steps=0'])
-    longer = [*seeded, '--config.rl.steps=0', f'--config.sft.steps={sft_steps + extra}']
-    arm_overrides['sft'] = longer
-    arm_overrides['sft_at_rl_lr'] = [*longer, f'--config.sft.lr={resolved["optim"]["lr"]}']
     for arm in arms:
       name = f'{arm}_seed{seed}'
+      if arm != 'rl' and timing is None:
+        timing = phase_times(os.path.join(args.workdir, f'rl_seed{seed}'))
+        with open(os.path.join(warmup, 'config.json'), encoding='utf-8') as f:
+          resolved = json.load(f)['config']  # the config after the overrides
+        extra = extra or math.ceil(timing[2] * timing[1] / timing[0])
+      arm_overrides = seeded
       if arm != 'rl':
-        shutil.copytree(warmup, os.path.join(args.workdir, name), dirs_exist_ok=True)
-        workdir = train(name, arm_overrides[arm])  # resumes the warm-up
-      else:
-        workdir = os.path.abspath(os.path.join(args.workdir, name))
+        sft_steps = resolved['sft']['steps']
+        arm_overrides = [*seeded, '--config.rl.steps=0', f'--config.sft.steps={sft_steps + extra}']
+      if arm == 'sft_at_rl_lr':
+        arm_overrides = [*arm_overrides, f'--config.sft.lr={resolved["optim"]["lr"]}']
+      shutil.copytree(warmup, os.path.join(args.workdir, name), dirs_exist_ok=True)
+      workdir = train(name, arm_overrides)  # resumes the warm-up
       log = os.path.join(args.workdir, f'{name}.eval.log')
-      runs[arm][seed] = accuracy(config_path, workdir, arm_overrides[arm], log)
+      runs[arm][seed] = accuracy(config_path, workdir, arm_overrides, log)
       print(f'seed {seed} {arm}: held-out accuracy {runs[arm][seed]:.3f}', flush=True)
 
   stats = {}

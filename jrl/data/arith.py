@@ -8,7 +8,14 @@ one integer. Problems look like
 
 with operands of `digits` digits (leading digit nonzero unless digits = 1)
 and operators drawn from `ops` ('+', '-', '*'). Subtraction is arranged so
-the result is non-negative. Train and held-out splits use different seeds,
+the result is non-negative.
+
+`carry_slip` > 0 adds a worked answer from an imperfect teacher: each
+example also has a 'response' (what SFT imitates; rewards and evaluation
+read 'answer'), which for an addition whose units carry over drops that
+carry with probability `carry_slip` ("47+85=" -> "122"), the same for the
+same index. It models demonstrations that are wrong in a learnable way,
+which a verifier (exact match against 'answer') is not. Train and held-out splits use different seeds,
 and held-out problems that also occur in the training stream's first
 `dedup_window` examples are skipped, so evaluation measures generalisation.
 """
@@ -27,6 +34,7 @@ class ArithmeticTask:
   digits: int = 2
   ops: str = '+'
   seed: int = 0
+  carry_slip: float = 0.0  # P(the teacher's response drops the units carry of an addition)
 
   def __post_init__(self):
     if not isinstance(self.digits, int) or not 1 <= self.digits <= 9:
@@ -34,6 +42,8 @@ class ArithmeticTask:
     bad = [op for op in self.ops if op not in _OPS]
     if not self.ops or bad:
       raise ValueError(f'`ops` must be a non-empty string of {_OPS}, got {self.ops!r}.')
+    if not 0.0 <= self.carry_slip <= 1.0:
+      raise ValueError(f'`carry_slip` must be in [0, 1], got {self.carry_slip!r}.')
 
   def example(self, index):
     """{'prompt', 'answer'} of problem `index` (any non-negative int)."""
@@ -45,7 +55,12 @@ class ArithmeticTask:
     if op == '-' and b > a:
       a, b = b, a
     value = {'+': a + b, '-': a - b, '*': a * b}[op]
-    return {'prompt': f'{a}{op}{b}=', 'answer': str(value)}
+    example = {'prompt': f'{a}{op}{b}=', 'answer': str(value)}
+    if self.carry_slip:
+      slip = rng.random() < self.carry_slip  # drawn for every example: fixed per index
+      carries = op == '+' and a % 10 + b % 10 >= 10
+      example['response'] = str(value - 10 if slip and carries else value)
+    return example
 
   def max_answer_len(self):
     return len(str((10**self.digits - 1) ** 2 if '*' in self.ops else 2 * 10**self.digits))

@@ -152,7 +152,10 @@ class Task:
     self.filtered = {'train': 0, 'eval': 0}
     if kind == 'arith':
       self.generator = ArithmeticTask(
-        digits=task_config.digits, ops=task_config.ops, seed=task_config.train_seed
+        digits=task_config.digits,
+        ops=task_config.ops,
+        seed=task_config.train_seed,
+        carry_slip=task_config.carry_slip,
       )
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)

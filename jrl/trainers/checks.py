@@ -101,6 +101,7 @@ FIELDS = {
   'model.lora.rank': count(0),  # 0: off
   'model.lora.alpha': positive(),
   'task.digits': count(1, hi=9),
+  'task.carry_slip': fraction(),
   'task.train_seed': count(0),
   'task.eval_seed': count(0),
   'task.eval_size': count(0),
