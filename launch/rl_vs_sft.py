@@ -152,7 +152,8 @@ def main(argv=None):
   for arm in arms[1:]:
     gain = stats['rl']['mean'] - stats[arm]['mean']
     se = math.sqrt(stats['rl']['se'] ** 2 + stats[arm]['se'] ** 2)
-    result[f'gain_over_{arm}'] = {'gain': gain, 'se': se, 'ratio': gain / se if se else None}
+    ratio = gain / se if se > 0 else None  # None: one seed (se NaN) or no spread
+    result[f'gain_over_{arm}'] = {'gain': gain, 'se': se, 'ratio': ratio}
   line = ', '.join(f'{arm} {stats[arm]["mean"]:.3f} ± {stats[arm]["se"]:.3f}' for arm in arms)
   print(
     f'held-out accuracy over seeds {seeds} (SFT {sft_steps}, then RL {timing[2]} or SFT {extra}):'
@@ -160,7 +161,8 @@ def main(argv=None):
   print(f'  {line}')
   for arm in arms[1:]:
     g = result[f'gain_over_{arm}']
-    print(f'  RL over {arm}: {g["gain"]:+.3f} ± {g["se"]:.3f} ({g["ratio"]:.1f} SE)')
+    ratio = 'n/a' if g['ratio'] is None else f'{g["ratio"]:.1f}'
+    print(f'  RL over {arm}: {g["gain"]:+.3f} ± {g["se"]:.3f} ({ratio} SE)')
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w', encoding='utf-8') as f:
