@@ -8,16 +8,16 @@ one integer. Problems look like
 
 with operands of `digits` digits (leading digit nonzero unless digits = 1)
 and operators drawn from `ops` ('+', '-', '*'). Subtraction is arranged so
-the result is non-negative.
+the result is non-negative. Train and held-out splits use different seeds,
+and held-out problems that also occur in the training stream's first
+`dedup_window` examples are skipped, so evaluation measures generalisation.
 
 `carry_slip` > 0 adds a worked answer from an imperfect teacher: each
 example also has a 'response' (what SFT imitates; rewards and evaluation
 read 'answer'), which for an addition whose units carry over drops that
 carry with probability `carry_slip` ("47+85=" -> "122"), the same for the
-same index. It models demonstrations that are wrong in a learnable way,
-which a verifier (exact match against 'answer') is not. Train and held-out splits use different seeds,
-and held-out problems that also occur in the training stream's first
-`dedup_window` examples are skipped, so evaluation measures generalisation.
+same index: demonstrations that SFT imitates, errors included, while a
+verifier (exact match against 'answer') does not reward them.
 """
 
 import dataclasses
