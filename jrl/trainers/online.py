@@ -47,12 +47,16 @@ def check_rl(config, batch_shards):
   for field, choices in CHOICES.items():
     present, value = checks.lookup(config, field)
     need(not present or value in choices, field, f'must be one of {choices}, got {value!r}.')
-  for section, table in (('adv', L.ADVANTAGE_ARGS), ('loss', L.POLICY_LOSS_ARGS)):
+  for section, fns, args in (
+    ('adv', L.ADVANTAGE_ESTIMATORS, L.ADVANTAGE_ARGS),
+    ('loss', L.POLICY_LOSSES, L.POLICY_LOSS_ARGS),
+  ):
+    settable = L.default_args(fns, args)  # what the config's section was built from
     for name in rl[section]:
-      need(name in table, f'rl.{section}.{name}', f'is not one of {tuple(table)}.')
-      settable = tuple(k for k in table[name] if k not in L.SUPPLIED_ARGS)
+      need(name in settable, f'rl.{section}.{name}', f'is not one of {tuple(settable)}.')
+      keys = tuple(settable[name])
       for key in rl[section][name]:
-        need(key in settable, f'rl.{section}.{name}.{key}', f'is not one of {settable}.')
+        need(key in keys, f'rl.{section}.{name}.{key}', f'is not one of {keys}.')
   rows = rl.prompts_per_step * rl.group_size
   need(
     rows % rl.minibatch_size == 0,
