@@ -222,7 +222,9 @@ def bf16_update(ctx):
     tx = optax.adamw(1e-5)
     cfg = policy_step.PolicyLossConfig(chunk_size=1024)
     state = common.init_state(params, tx)
-    grads_fn = jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, cfg=cfg))
+    grads_fn = jax.jit(
+      functools.partial(policy_step.loss_and_grads, graphdef=graphdef, policy_config=cfg)
+    )
     # The update of those gradients (what train_step and the micro-batched step apply).
     apply = jax.jit(
       functools.partial(policy_step.apply_update, tx=tx, schedule=optax.constant_schedule(1e-5))

@@ -81,7 +81,7 @@ def main(argv=None):
   cfg = policy_step.PolicyLossConfig(chunk_size=1024)
 
   def loss_and_grads(state, batch):
-    loss, _, grads = policy_step.loss_and_grads(state, batch, graphdef=graphdef, cfg=cfg)
+    loss, _, grads = policy_step.loss_and_grads(state, batch, graphdef=graphdef, policy_config=cfg)
     return loss, grads
 
   step = jax.jit(loss_and_grads)

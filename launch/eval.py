@@ -60,7 +60,7 @@ def _trainer_evaluate(config):
       f'{config.algorithm!r} is evaluated by its trainer, from a checkpoint of config.workdir.'
     )
   job = trainers.build(config)
-  ckpt = setup.checkpointer(config, job.res.workdir)
+  ckpt = setup.checkpointer(config, job.resources.workdir)
   try:
     step = _STEP.value if _STEP.value is not None else ckpt.latest_step()
     if step is None:

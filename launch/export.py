@@ -34,7 +34,7 @@ def main(argv):
 
   config = _CONFIG.value
   job = trainers.build(config)
-  ckpt = setup.checkpointer(config, job.res.workdir)
+  ckpt = setup.checkpointer(config, job.resources.workdir)
   try:
     abstract = checkpoint.abstract_like(job.state)
     if _STEP.value is None:
@@ -44,8 +44,8 @@ def main(argv):
     else:
       step = _STEP.value
       state, _ = ckpt.restore(step, abstract)
-    out = _OUT.value or os.path.join(job.res.workdir, f'hf_export_{step}')
-    setup.export(job.res, state.params, out)
+    out = _OUT.value or os.path.join(job.resources.workdir, f'hf_export_{step}')
+    setup.export(job.resources, state.params, out)
   finally:
     controller.close(job)
     ckpt.close()

@@ -17,9 +17,14 @@ TRAINERS = {'grpo': grpo.build, 'ppo': ppo.build}
 SECTIONS = (*grpo.SECTIONS, episodes.SECTION)
 
 
-def demonstrations(res, examples, iteration):
+def demonstrations(resources, examples, iteration):
   return episodes.demonstration_batch(
-    res.config, res.tokenizer, res.stop_tokens, res.seq_len, examples, iteration
+    resources.config,
+    resources.tokenizer,
+    resources.stop_tokens,
+    resources.seq_len,
+    examples,
+    iteration,
   )
 
 

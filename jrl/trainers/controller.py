@@ -44,7 +44,7 @@ from jrl.trainers import checks, common, setup
 class Job(NamedTuple):
   """One algorithm's run, built and ready to start."""
 
-  res: setup.Resources
+  resources: setup.Resources
   state: common.TrainState  # the initial state (its structure is kept all run long)
   iterate: Callable  # (state, iteration) -> (state, metrics)
   evaluate: Callable  # state -> held-out metrics ({} when there is nothing to evaluate)
@@ -74,18 +74,18 @@ def skipped_updates(metrics, models):
   return tuple(name for name in models if metrics.get(f'{name}/nonfinite', 0.0))
 
 
-def mostly_unscored(m, limit, errors):
+def mostly_unscored(metrics, limit, errors):
   """A description of the reward functions that left more than `limit` of
   this iteration's completions unscored, with their failure and timeout
   counts and first errors; '' if none did."""
   bad = []
-  for key, frac in m.items():
+  for key, frac in metrics.items():
     if key.startswith('reward/') and key.endswith('/unscored_frac') and frac > limit:
       name = key[len('reward/') : -len('/unscored_frac')]
       bad.append(
         f'reward function {name!r} left {frac:.0%} of completions unscored '
-        f'({m.get(f"reward/{name}/failures", 0):g} failed and '
-        f'{m.get(f"reward/{name}/timeouts", 0):g} timed-out chunks'
+        f'({metrics.get(f"reward/{name}/failures", 0):g} failed and '
+        f'{metrics.get(f"reward/{name}/timeouts", 0):g} timed-out chunks'
       )
   if not bad:
     return ''
@@ -119,14 +119,14 @@ def _meta(job, progress):
     'unscored_run': progress.unscored_run,
     'rl_started': progress.rl_started,
     'pending_rollout': behaviour is not None,
-    'config': json.loads(job.res.config.to_json_best_effort()),
+    'config': json.loads(job.resources.config.to_json_best_effort()),
   }
 
 
 def _streams_and_behaviour(job):
   if job.topology is not None:
-    return job.topology.checkpoint(job.res.streams)
-  return {name: s.state() for name, s in job.res.streams.items()}, None
+    return job.topology.checkpoint(job.resources.streams)
+  return {name: s.state() for name, s in job.resources.streams.items()}, None
 
 
 def save(job, checkpointer, state, progress, force=False):
@@ -134,11 +134,11 @@ def save(job, checkpointer, state, progress, force=False):
   the rollout in flight is not saved; the parameters it reads are, so that a
   resumed run regenerates exactly the same rollout."""
   _, behaviour = _streams_and_behaviour(job)
-  with job.res.tracer.span('checkpoint', iteration=progress.iteration):
+  with job.resources.tracer.span('checkpoint', iteration=progress.iteration):
     checkpointer.save(
       progress.iteration, state, _meta(job, progress), force=force, behaviour=behaviour
     )
-  setup.write_trace(job.res)
+  setup.write_trace(job.resources)
 
 
 def restore(job, checkpointer, state, progress):
@@ -148,14 +148,14 @@ def restore(job, checkpointer, state, progress):
   if latest is None:
     return state
   progress.iteration = int(meta['iteration'])
-  for name, stream in job.res.streams.items():
+  for name, stream in job.resources.streams.items():
     stream.restore(meta['streams'][name])
   progress.nonfinite_run = int(meta.get('nonfinite_run', 0))
   progress.unscored_run = int(meta.get('unscored_run', 0))
   progress.rl_started = bool(meta.get('rl_started', True))  # older checkpoints: as before
   if job.topology is not None:
     job.topology.restore(checkpointer, latest, meta, restored.params)
-  if job.res.is_main:
+  if job.resources.is_main:
     print(f'resumed from {checkpointer.directory}/{latest} (iteration {progress.iteration})')
   return restored
 
@@ -177,20 +177,20 @@ def profiling(config, workdir, iteration):
 def train(job):
   """Runs (or resumes) `job` to `sft.steps` + the algorithm's steps
   iterations (`checks.iterations`), or until SIGTERM; returns the final TrainState."""
-  res, config = job.res, job.res.config
-  tracer = res.tracer
+  resources, config = job.resources, job.resources.config
+  tracer = resources.tracer
   total = checks.iterations(config)
   warmup = config.sft.steps if 'sft' in config else 0
   # Online runs stop when the rewards carry no signal (`reward.max_unscored_*`).
   reward = config.reward if 'reward' in config else None
-  if res.is_main:
-    setup.write_config(config, res.workdir)  # config.json; a resumed run's changes printed
-  checkpointer = setup.checkpointer(config, res.workdir)
+  if resources.is_main:
+    setup.write_config(config, resources.workdir)  # config.json; a resumed run's changes printed
+  checkpointer = setup.checkpointer(config, resources.workdir)
   progress = _Progress()
   state = restore(job, checkpointer, job.state, progress)
-  if res.is_main and job.memory_plan is not None:
+  if resources.is_main and job.memory_plan is not None:
     print(f'memory plan of the update: {job.memory_plan.describe()}', flush=True)
-  writer = setup.writer(config, res.workdir, total, progress.iteration)
+  writer = setup.writer(config, resources.workdir, total, progress.iteration)
   previous_handler = None
   if threading.current_thread() is threading.main_thread():
     previous_handler = signal.signal(signal.SIGTERM, progress.on_sigterm)
@@ -211,25 +211,25 @@ def train(job):
       it = progress.iteration
       in_sft = it < warmup
       t_start = tracer.now()
-      with profiling(config, res.workdir, it + 1), tracer.span('step', 'step', iteration=it):
-        state, m = job.iterate(state, it)
+      with profiling(config, resources.workdir, it + 1), tracer.span('step', 'step', iteration=it):
+        state, metrics = job.iterate(state, it)
       if not in_sft and tracer.enabled:
-        m.update(tracer.bubbles(t_start, tracer.now()))
+        metrics.update(tracer.bubbles(t_start, tracer.now()))
       it = progress.iteration = it + 1
       if it == warmup and it < total and job.start_rl is not None:
         state = job.start_rl(state)
         progress.rl_started = True
-      skipped = skipped_updates(m, job.models)
+      skipped = skipped_updates(metrics, job.models)
       progress.nonfinite_run = progress.nonfinite_run + 1 if skipped else 0
       if due(config.eval.every, it):
-        m.update(job.evaluate(state))
-      writer.write(it, m)
+        metrics.update(job.evaluate(state))
+      writer.write(it, metrics)
       every = config.log.samples_every
       if every and not in_sft and it % every == 0:
         samples = job.samples()
         if samples:
           writer.write_samples(it, samples)
-      unscored = reward and mostly_unscored(m, reward.max_unscored_frac, job.reward_errors())
+      unscored = reward and mostly_unscored(metrics, reward.max_unscored_frac, job.reward_errors())
       progress.unscored_run = progress.unscored_run + 1 if unscored else 0
       if reward and progress.unscored_run >= reward.max_unscored_steps:
         checkpointer.wait()
@@ -251,7 +251,7 @@ def train(job):
         save(job, checkpointer, state, progress, force=True)
         checkpointer.wait()  # complete and checksummed before it is reported
         preempted = True
-        if res.is_main:
+        if resources.is_main:
           print(
             f'SIGTERM: saved iteration {it} to {checkpointer.directory}; '
             'run the same command to resume.',
@@ -267,11 +267,11 @@ def train(job):
     writer.close()
     close(job)
   checkpointer.close()
-  setup.write_trace(res)
+  setup.write_trace(resources)
   if preempted:
     return state
-  if config.log.plot and res.is_main:
-    metrics_lib.plot_curves(writer.path, os.path.join(res.workdir, 'curves.png'))
+  if config.log.plot and resources.is_main:
+    metrics_lib.plot_curves(writer.path, os.path.join(resources.workdir, 'curves.png'))
   if config.export_hf:
-    setup.export(res, state.params, os.path.join(res.workdir, 'hf_export'))
+    setup.export(resources, state.params, os.path.join(resources.workdir, 'hf_export'))
   return state

@@ -51,13 +51,13 @@ def sequence_logprobs(
   """[B] sum (or mean) of the response tokens' logprobs (the model on packed
   rows when `packed` is given; the sums are taken in the padded layout)."""
   logp, _ = common.token_logprobs(graphdef, params, tokens, mask, packed, chunk_size=chunk_size)
-  m = loss_mask.astype(jnp.float32)
-  total = jnp.sum(logp * m, axis=-1)
-  return total / jnp.maximum(jnp.sum(m, axis=-1), 1.0) if average else total
+  counted = loss_mask.astype(jnp.float32)
+  total = jnp.sum(logp * counted, axis=-1)
+  return total / jnp.maximum(jnp.sum(counted, axis=-1), 1.0) if average else total
 
 
-def preference_loss(params, graphdef, batch, cfg):
-  average = cfg.loss in _AVERAGED
+def preference_loss(params, graphdef, batch, dpo_config):
+  average = dpo_config.loss in _AVERAGED
   seq = sequence_logprobs(
     graphdef,
     params,
@@ -65,24 +65,31 @@ def preference_loss(params, graphdef, batch, cfg):
     batch.mask,
     batch.loss_mask,
     average,
-    cfg.chunk_size,
+    dpo_config.chunk_size,
     batch.packed,
   )
   p = seq.shape[0] // 2
   chosen, rejected = seq[:p], seq[p:]
   ref_c, ref_r = batch.ref_logp[:p], batch.ref_logp[p:]
-  if cfg.loss == 'dpo':
+  if dpo_config.loss == 'dpo':
     loss, metrics = L.dpo_loss(
-      chosen, rejected, ref_c, ref_r, beta=cfg.beta, label_smoothing=cfg.label_smoothing
+      chosen,
+      rejected,
+      ref_c,
+      ref_r,
+      beta=dpo_config.beta,
+      label_smoothing=dpo_config.label_smoothing,
     )
-  elif cfg.loss == 'ipo':
-    loss, metrics = L.ipo_loss(chosen, rejected, ref_c, ref_r, beta=cfg.beta)
-  elif cfg.loss == 'hinge':
-    loss, metrics = L.hinge_loss(chosen, rejected, ref_c, ref_r, beta=cfg.beta)
-  elif cfg.loss == 'simpo':
-    loss, metrics = L.simpo_loss(chosen, rejected, beta=cfg.beta, gamma=cfg.simpo_gamma)
+  elif dpo_config.loss == 'ipo':
+    loss, metrics = L.ipo_loss(chosen, rejected, ref_c, ref_r, beta=dpo_config.beta)
+  elif dpo_config.loss == 'hinge':
+    loss, metrics = L.hinge_loss(chosen, rejected, ref_c, ref_r, beta=dpo_config.beta)
+  elif dpo_config.loss == 'simpo':
+    loss, metrics = L.simpo_loss(
+      chosen, rejected, beta=dpo_config.beta, gamma=dpo_config.simpo_gamma
+    )
   else:
-    loss, metrics = L.orpo_loss(chosen, rejected, lam=cfg.beta)
+    loss, metrics = L.orpo_loss(chosen, rejected, lam=dpo_config.beta)
   loss = jnp.mean(loss)
   names = {
     'rewards_chosen': 'rewards/chosen',
@@ -96,10 +103,10 @@ def preference_loss(params, graphdef, batch, cfg):
   return loss, out
 
 
-def train_step(state, batch, *, graphdef, tx, schedule, cfg):
+def train_step(state, batch, *, graphdef, tx, schedule, dpo_config):
   """One optimiser step on a batch of pairs; non-finite steps are skipped."""
   (loss, metrics), grads = jax.value_and_grad(preference_loss, has_aux=True)(
-    state.params, graphdef, batch, cfg
+    state.params, graphdef, batch, dpo_config
   )
   state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule)
   metrics['dpo/loss'] = loss
@@ -133,20 +140,20 @@ SECTION = checks.Section(
 SECTIONS = (sft.SECTION, engines.SAMPLER, SECTION)
 
 
-def pair_source(config, res):
+def pair_source(config, resources):
   """`next_pairs(n, iteration)`: pairs of `dpo.train_path` (a checkpointed
   stream), or arithmetic pairs made from the task stream (the correct answer
   chosen, a near miss rejected)."""
   if config.dpo.train_path:
     pairs = PromptStream(
-      read_preference_jsonl(config.dpo.train_path, check=res.checker.pair),
+      read_preference_jsonl(config.dpo.train_path, check=resources.checker.pair),
       seed=setup.seed(config.seed, 'dpo'),
     )
-    res.streams['dpo_stream'] = pairs
+    resources.streams['dpo_stream'] = pairs
     return lambda n, iteration: pairs.next(n)
 
   def task_pairs(n, iteration):
-    examples = res.streams['rl_stream'].next(n)
+    examples = resources.streams['rl_stream'].next(n)
     return tasks.arith_pairs(examples, setup.seed(config.seed, iteration, 'corrupt'))
 
   return task_pairs
@@ -157,18 +164,20 @@ class Steps(NamedTuple):
   reference: Any  # (params, tokens, mask, loss_mask, packed) -> [2P] reference sequence logprobs
 
 
-def make_steps(config, res, tx, schedule, shardings):
+def make_steps(config, resources, tx, schedule, shardings):
   d = config.dpo
-  cfg = DPOLossConfig(
+  dpo_config = DPOLossConfig(
     loss=d.loss,
     beta=d.beta,
     label_smoothing=d.label_smoothing,
     simpo_gamma=d.simpo_gamma,
     chunk_size=config.train.chunk_size,
   )
-  graphdef = res.model.graphdef
+  graphdef = resources.model.graphdef
   dpo_step = jax.jit(
-    functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule, cfg=cfg),
+    functools.partial(
+      train_step, graphdef=graphdef, tx=tx, schedule=schedule, dpo_config=dpo_config
+    ),
     donate_argnums=(0,),
     out_shardings=shardings,
   )
@@ -178,40 +187,42 @@ def make_steps(config, res, tx, schedule, shardings):
     )
   )
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
-  return Steps(parallel.on_mesh(res.mesh, dpo_step), parallel.on_mesh(res.mesh, reference))
+  return Steps(
+    parallel.on_mesh(resources.mesh, dpo_step), parallel.on_mesh(resources.mesh, reference)
+  )
 
 
 def build(config):
   """The job of a DPO-family run: an optional SFT warm-up, then `dpo.steps`
   updates on `dpo.pairs_per_step` pairs each."""
-  res, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
+  resources, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
   d = config.dpo
-  next_pairs = pair_source(config, res)
+  next_pairs = pair_source(config, resources)
   tx, schedule = setup.optimizer(config)
   uses_ref = d.loss not in _REFERENCE_FREE
 
   def new_state(params, tx):
     """The reference is the policy when DPO begins (after the warm-up)."""
     extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
-    return setup.new_state(params, tx, res.mesh, extra)
+    return setup.new_state(params, tx, resources.mesh, extra)
 
-  state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
-  warmup = sft.warmup(res, state)
-  steps = make_steps(config, res, tx, schedule, setup.step_shardings(state, res.mesh))
-  evaluate, close = held_out.held_out_evaluator(res)
-  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
+  state = new_state(resources.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
+  warmup = sft.warmup(resources, state)
+  steps = make_steps(config, resources, tx, schedule, setup.step_shardings(state, resources.mesh))
+  evaluate, close = held_out.held_out_evaluator(resources)
+  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
 
   def dpo_iteration(state, it):
     t_step = time.perf_counter()
     pairs = next_pairs(d.pairs_per_step, it)
-    eos = list(res.stop_tokens[:1])
-    prompts = [res.encoder.prompt_ids(p['prompt']) for p in pairs]
-    chosen = [res.tokenizer.encode(p['chosen']) + eos for p in pairs]
-    rejected = [res.tokenizer.encode(p['rejected']) + eos for p in pairs]
+    eos = list(resources.stop_tokens[:1])
+    prompts = [resources.encoder.prompt_ids(p['prompt']) for p in pairs]
+    chosen = [resources.tokenizer.encode(p['chosen']) + eos for p in pairs]
+    rejected = [resources.tokenizer.encode(p['rejected']) + eos for p in pairs]
     batch = common.pack_sequences(
-      prompts + prompts, chosen + rejected, res.seq_len, res.tokenizer.pad_id
+      prompts + prompts, chosen + rejected, resources.seq_len, resources.tokenizer.pad_id
     )
-    placed = common.with_packed(common.place(batch, res.batch_sharding), packer)
+    placed = common.with_packed(common.place(batch, resources.batch_sharding), packer)
     start = time.perf_counter()
     if uses_ref:
       ref = steps.reference(
@@ -227,19 +238,19 @@ def build(config):
     t_ref = time.perf_counter() - start
     full = DPOBatch(placed.tokens, placed.mask, placed.loss_mask, ref, placed.packed)
     start = time.perf_counter()
-    state, m = steps.dpo(state, full)
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
-    m['time/update'] = time.perf_counter() - start
-    m['time/reference'] = t_ref
-    m['time/step'] = time.perf_counter() - t_step
-    m['phase'] = 1.0
-    return state, m
+    state, metrics = steps.dpo(state, full)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics['time/update'] = time.perf_counter() - start
+    metrics['time/reference'] = t_ref
+    metrics['time/step'] = time.perf_counter() - t_step
+    metrics['phase'] = 1.0
+    return state, metrics
 
   def iterate(state, it):
     return warmup.iterate(state, it) if it < config.sft.steps else dpo_iteration(state, it)
 
   return controller.Job(
-    res,
+    resources,
     state,
     iterate,
     evaluate,

@@ -150,7 +150,7 @@ class Episode:
 
 def episode_metrics(episodes, rewards):
   n = max(1, len(episodes))
-  m = {
+  metrics = {
     'reward/mean': float(np.mean(rewards)) if len(rewards) else 0.0,
     'env/turns': sum(ep.turns for ep in episodes) / n,
     'env/tool_calls': sum(ep.info['tool_calls'] for ep in episodes) / n,
@@ -162,11 +162,11 @@ def episode_metrics(episodes, rewards):
   }
   reasons = collections.Counter(ep.reason for ep in episodes)
   for reason in FINISH_REASONS:
-    m[f'env/finish/{reason}'] = reasons.get(reason, 0) / n
+    metrics[f'env/finish/{reason}'] = reasons.get(reason, 0) / n
   errors = [ep.error for ep in episodes if ep.error]
   if errors:
     print(f'environment failures ({len(errors)}): {errors[0]}')
-  return m
+  return metrics
 
 
 def demonstration_batch(config, tokenizer, stop_tokens, seq_len, examples, iteration):
@@ -197,34 +197,34 @@ def demonstration_batch(config, tokenizer, stop_tokens, seq_len, examples, itera
 class EpisodeWorker:
   """The rollout worker of `algorithm='agent'`: B x G episodes per sample."""
 
-  def __init__(self, res, mesh, prompt_rows=None):
+  def __init__(self, resources, mesh, prompt_rows=None):
     del prompt_rows  # one process: every episode runs here
-    config = res.config
+    config = resources.config
     self.config = config
-    self.tokenizer = res.tokenizer
-    self.stream = res.streams['rl_stream']
-    self.held_out = res.task.held_out
-    self.stop_tokens = res.stop_tokens
-    self.seq_len = res.seq_len
-    self.vocab_size = res.model.config.vocab_size
-    self.tracer = res.tracer
+    self.tokenizer = resources.tokenizer
+    self.stream = resources.streams['rl_stream']
+    self.held_out = resources.task.held_out
+    self.stop_tokens = resources.stop_tokens
+    self.seq_len = resources.seq_len
+    self.vocab_size = resources.model.config.vocab_size
+    self.tracer = resources.tracer
     self.lock = threading.Lock()
     self.last_errors = []  # environment errors are in the episodes' metrics
     self.last_samples = []  # the latest batch's first group, for the sample log
     spec = environment(config.agent.env)
     self.make_env = spec.make_env
-    self.turn_stops = tuple(new_env(spec, res.tokenizer, config.agent.env).turn_stop_tokens)
+    self.turn_stops = tuple(new_env(spec, resources.tokenizer, config.agent.env).turn_stop_tokens)
     # Room for the environment's answers (fed through the decode loop) and
     # for the turn-ending tokens among the stop tokens.
     self.engine = engines.build_engine(
       config,
-      res.model,
+      resources.model,
       mesh,
-      res.stop_tokens,
+      resources.stop_tokens,
       max_forced_tokens=config.agent.max_env_tokens,
-      max_stop_tokens=len(res.stop_tokens) + 2,
+      max_stop_tokens=len(resources.stop_tokens) + 2,
     )
-    self.engine.tracer = res.tracer
+    self.engine.tracer = resources.tracer
 
   def close(self):
     pass
@@ -334,19 +334,21 @@ class EpisodeWorker:
       s = len(prompts[row])
       loss_mask[row, s : s + len(c.tokens)] &= ~c.env_mask  # the model's tokens only
     batch = batch._replace(loss_mask=loss_mask)
-    m = episode_metrics(episodes, rewards_np)
+    metrics = episode_metrics(episodes, rewards_np)
     lengths = np.asarray([len(c.tokens) for c in completions])
     zero_var = rewards_np.reshape(b, g).max(1) == rewards_np.reshape(b, g).min(1)
-    m['reward/std'] = float(rewards_np.std())
-    m['response_length/mean'] = float(lengths.mean())
-    m['response_length/max'] = float(lengths.max())
-    m['response_length/clip_ratio'] = float(np.mean([ep.reason == 'length' for ep in episodes]))
-    m['groups/zero_variance_frac'] = float(zero_var.mean())
-    m['time/generate'] = t_gen
-    m['time/reward'] = 0.0
+    metrics['reward/std'] = float(rewards_np.std())
+    metrics['response_length/mean'] = float(lengths.mean())
+    metrics['response_length/max'] = float(lengths.max())
+    metrics['response_length/clip_ratio'] = float(
+      np.mean([ep.reason == 'length' for ep in episodes])
+    )
+    metrics['groups/zero_variance_frac'] = float(zero_var.mean())
+    metrics['time/generate'] = t_gen
+    metrics['time/reward'] = 0.0
     gen_tokens = int(sum(len(c.tokens) - int(c.env_mask.sum()) for c in completions))
-    m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
-    return rollout.Rollout(batch, old_logp, rewards_np, version, m)
+    metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    return rollout.Rollout(batch, old_logp, rewards_np, version, metrics)
 
   def evaluate(self, params, step=None):
     """Greedy held-out episodes of `params` (`step`: their policy version)."""
@@ -358,9 +360,9 @@ class EpisodeWorker:
       )
     episodes = [ep for row in results for _, ep in row]
     rewards = np.asarray([ep.reward for ep in episodes])
-    m = episode_metrics(episodes, rewards)
+    metrics = episode_metrics(episodes, rewards)
     return {
       'eval/accuracy': float(np.mean(rewards > 0.5)),
-      'eval/tool_use_rate': m['env/tool_use_rate'],
-      'eval/turns': m['env/turns'],
+      'eval/tool_use_rate': metrics['env/tool_use_rate'],
+      'eval/turns': metrics['env/turns'],
     }

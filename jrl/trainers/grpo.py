@@ -47,18 +47,18 @@ class Steps(NamedTuple):
   advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None) -> [B, T]
 
 
-def make_steps(config, res, tx, schedule, shardings, packer=None, remat=None):
+def make_steps(config, resources, tx, schedule, shardings, packer=None, remat=None):
   """The Steps of a run; the update's forward with the `remat` policy (None:
   the model's own, `memory_plan.with_remat`)."""
   rl = config.rl
-  cfg = policy_step.loss_config(rl, config.train.chunk_size, config.sampling.temperature)
+  policy_config = policy_step.loss_config(rl, config.train.chunk_size, config.sampling.temperature)
   accum = int(config.optim.grad_accum)
-  graphdef = res.model.graphdef
+  graphdef = resources.model.graphdef
   if remat is not None:
-    graphdef = memory_plan.with_remat(graphdef, res.params, remat)
+    graphdef = memory_plan.with_remat(graphdef, resources.params, remat)
   rl_step = common.jit_update(
     (policy_step.train_step, policy_step.loss_and_grads, policy_step.apply_update),
-    dict(graphdef=graphdef, cfg=cfg),
+    dict(graphdef=graphdef, policy_config=policy_config),
     dict(tx=tx, schedule=schedule, accum=accum),
     shardings,
     packer is not None and packer.budget,  # micro-batches of a token budget
@@ -67,13 +67,13 @@ def make_steps(config, res, tx, schedule, shardings, packer=None, remat=None):
   )
   advantages = jax.jit(
     functools.partial(
-      policy_step.advantages, group_size=rl.group_size, cfg=policy_step.advantage_config(rl)
+      policy_step.advantages, group_size=rl.group_size, adv_config=policy_step.advantage_config(rl)
     )
   )
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   return Steps(
-    parallel.on_mesh(res.mesh, rl_step),
-    parallel.on_mesh(res.mesh, online.logprobs_fn(config, res.model.graphdef, packer)),
+    parallel.on_mesh(resources.mesh, rl_step),
+    parallel.on_mesh(resources.mesh, online.logprobs_fn(config, resources.model.graphdef, packer)),
     advantages,
   )
 
@@ -85,11 +85,11 @@ SECTIONS = online.SECTIONS
 def build(
   config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch, sections=SECTIONS
 ):
-  """The job of a GRPO-family run. `make_worker(res, mesh, prompt_rows)` is the
+  """The job of a GRPO-family run. `make_worker(resources, mesh, prompt_rows)` is the
   rollout worker (the agent passes its episode runner), `sft_batch` packs
   the warm-up's examples, `sections` are the config sections checked."""
   rl = config.rl
-  res, rollout_mesh, rows = online.start(config, sections)
+  resources, rollout_mesh, rows = online.start(config, sections)
 
   # State: the reference model is the policy at the start of RL. One
   # optimiser per phase; the optimiser state and step restart when RL begins.
@@ -99,16 +99,16 @@ def build(
   def new_state(params, tx):
     extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
     extra.update(online.reward_state(config.reward))
-    return setup.new_state(params, tx, res.mesh, extra)
+    return setup.new_state(params, tx, resources.mesh, extra)
 
-  state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
-  warmup = sft.warmup(res, state, sft_batch)
-  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
-  shardings = setup.step_shardings(state, res.mesh)
-  worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
+  state = new_state(resources.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
+  warmup = sft.warmup(resources, state, sft_batch)
+  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+  shardings = setup.step_shardings(state, resources.mesh)
+  worker, topo = online.finish(config, resources, rollout_mesh, rows, make_worker)
 
   def probe_batch(tokens, mask, loss_mask):
-    put = lambda x: common.place_global(x, res.batch_sharding)
+    put = lambda x: common.place_global(x, resources.batch_sharding)
     zeros = put(np.zeros(tokens.shape, np.float32))
     is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
     return policy_step.PolicyBatch(
@@ -117,18 +117,18 @@ def build(
 
   steps, packer, plan = memory_plan.planned_steps(
     config,
-    res,
+    resources,
     state,
     packer,
-    lambda remat, p: make_steps(config, res, tx, schedule, shardings, p, remat),
+    lambda remat, p: make_steps(config, resources, tx, schedule, shardings, p, remat),
     probe_batch,
     worker=worker,
   )
   adv_cfg = policy_step.advantage_config(rl)
 
-  def batch(state, generated, old_logp, is_weights, m):
+  def batch(state, generated, old_logp, is_weights, metrics):
     """The group-relative advantages of a placed rollout, and its PolicyBatch."""
-    del state, m
+    del state, metrics
     mask = generated.batch.loss_mask
     kl_reward = None
     if adv_cfg.kl_coef_in_reward:
@@ -147,7 +147,7 @@ def build(
 
   return online.job(
     config,
-    res,
+    resources,
     state,
     worker=worker,
     topo=topo,

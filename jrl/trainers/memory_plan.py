@@ -242,7 +242,7 @@ def worst_case_rows(config, seq_len, vocab_size):
   return tokens, mask, loss_mask
 
 
-def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1, worker=None):
+def planned_steps(config, resources, state, packer, make_steps, probe_batch, models=1, worker=None):
   """(steps, packer, Plan): the update's remat policy and
   micro-batch budget chosen by `plan` (`train.memory_plan`).
 
@@ -257,16 +257,16 @@ def planned_steps(config, res, state, packer, make_steps, probe_batch, models=1,
       the plan fails.
   """
   try:
-    return _planned_steps(config, res, state, packer, make_steps, probe_batch, models)
+    return _planned_steps(config, resources, state, packer, make_steps, probe_batch, models)
   except BaseException:
     if worker is not None:
       worker.close()
     raise
 
 
-def _planned_steps(config, res, state, packer, make_steps, probe_batch, models):
+def _planned_steps(config, resources, state, packer, make_steps, probe_batch, models):
   rl = config.rl
-  shards = common.batch_shards(res.batch_sharding)
+  shards = common.batch_shards(resources.batch_sharding)
   per_row = rl.group_size if packer.kind == 'shared_prompt' else 1
   if packer.kind == 'shared_prompt':
     task = config.task
@@ -281,14 +281,16 @@ def _planned_steps(config, res, state, packer, make_steps, probe_batch, models):
 
   def measure(remat, budget):
     steps, p = build(remat, budget)
-    rows = worst_case_rows(config, res.seq_len, res.model.config.vocab_size)
+    rows = worst_case_rows(config, resources.seq_len, resources.model.config.vocab_size)
     batch = probe_batch(*rows)._replace(packed=p.for_step(*rows))
     return step_bytes(steps[0], abstract(state), batch)
 
-  num_params = sum(x.size for x in jax.tree.leaves(res.params))
-  bound = models * upper_bound(res.model.config, num_params, whole, row, config.train.chunk_size)
-  path = os.path.join(res.workdir, 'memory_plan.json')
-  device = next(d for d in res.mesh.devices.flat if d.process_index == jax.process_index())
+  num_params = sum(x.size for x in jax.tree.leaves(resources.params))
+  bound = models * upper_bound(
+    resources.model.config, num_params, whole, row, config.train.chunk_size
+  )
+  path = os.path.join(resources.workdir, 'memory_plan.json')
+  device = next(d for d in resources.mesh.devices.flat if d.process_index == jax.process_index())
   chosen = plan(config, device, whole, row, measure, bound, path)
   steps, packer = build(chosen.remat, chosen.budget)
   return steps, packer, chosen

@@ -158,9 +158,9 @@ def start(config, sections=SECTIONS):
   algorithm's `sections`) that needs no model."""
   topology_config = config.topology
   rollout_devices = topology_config.rollout_devices if topology_config.kind != 'colocated' else 0
-  res, rollout_mesh = setup.start(config, sections, rollout_devices)
+  resources, rollout_mesh = setup.start(config, sections, rollout_devices)
   rollout.check_reward_functions(config.reward)
-  return res, rollout_mesh, prompt_rows(config, res.batch_sharding)
+  return resources, rollout_mesh, prompt_rows(config, resources.batch_sharding)
 
 
 def prompt_rows(config, batch_sharding):
@@ -178,13 +178,13 @@ def prompt_rows(config, batch_sharding):
   return lo // g, hi // g
 
 
-def finish(config, res, rollout_mesh, rows, make_worker):
+def finish(config, resources, rollout_mesh, rows, make_worker):
   """(worker, topology). Called last: the worker starts reward processes once
   nothing else in the set-up can fail."""
-  worker = make_worker(res, rollout_mesh, rows)
+  worker = make_worker(resources, rollout_mesh, rows)
   if not isinstance(worker, contracts.RolloutWorker):
     raise TypeError(f'{type(worker).__name__} is no contracts.RolloutWorker')
-  return worker, topology.make(config, worker, res, rollout_mesh, checks.iterations(config))
+  return worker, topology.make(config, worker, resources, rollout_mesh, checks.iterations(config))
 
 
 MOMENTS = 'reward_moments'  # the train state's `extra` entry of `reward.normalize`
@@ -199,7 +199,7 @@ def reward_state(reward_config):
   return {MOMENTS: jax.tree.map(jnp.float32, reward_norm.init())}
 
 
-def shape_rewards(state, raw, reward_config, m):
+def shape_rewards(state, raw, reward_config, metrics):
   """(state, shaped rewards [N]): `raw` [N] clipped (`reward.clip`), or with
   `reward.normalize` normalised by the running moments in `state.extra`
   after this batch is folded in; the new moments go back into the state.
@@ -210,35 +210,35 @@ def shape_rewards(state, raw, reward_config, m):
   held = state.extra[MOMENTS]
   moments = reward_norm.update(reward_norm.RunningMoments(*map(float, held)), raw)
   shaped = reward_norm.normalize(moments, raw, clip=clip)
-  m['reward/running_mean'] = float(moments.mean)
-  m['reward/running_std'] = reward_norm.std(moments)
-  m['reward/shaped_mean'] = float(shaped.mean())
+  metrics['reward/running_mean'] = float(moments.mean)
+  metrics['reward/running_std'] = reward_norm.std(moments)
+  metrics['reward/shaped_mean'] = float(shaped.mean())
   new = jax.tree.map(lambda x, old: jax.device_put(jnp.float32(x), old.sharding), moments, held)
   return state._replace(extra={**state.extra, MOMENTS: new}), shaped
 
 
-def place_rollout(generated, res, logprobs, ref_params, rows):
+def place_rollout(generated, resources, logprobs, ref_params, rows):
   """A worker's Rollout (its rewards shaped) placed on the mesh, with
   reference logprobs (`logprobs(params, tokens, mask)` over minibatches of
   `rows`; zeros when `ref_params` is None)."""
-  m = dict(generated.metrics)
+  metrics = dict(generated.metrics)
   start = time.perf_counter()
-  placed = common.place(generated.batch, res.batch_sharding)
+  placed = common.place(generated.batch, resources.batch_sharding)
   ref_logp = jnp.zeros(generated.batch.tokens.shape, jnp.float32)
   if ref_params is not None:
-    with res.tracer.span('reference'):
-      ref_logp = common.minibatched(logprobs, ref_params, placed, rows, res.batch_sharding)
+    with resources.tracer.span('reference'):
+      ref_logp = common.minibatched(logprobs, ref_params, placed, rows, resources.batch_sharding)
       jax.block_until_ready(ref_logp)
   t_ref = time.perf_counter() - start
-  m['time/reference'] = t_ref
+  metrics['time/reference'] = t_ref
   num_tokens = int(np.asarray(generated.batch.mask).sum())
   if ref_params is not None:
-    m['throughput/reference_tokens_per_s'] = num_tokens / max(t_ref, 1e-9)
+    metrics['throughput/reference_tokens_per_s'] = num_tokens / max(t_ref, 1e-9)
   return generated._replace(
     batch=placed,
-    old_logp=common.place(generated.old_logp, res.batch_sharding),
+    old_logp=common.place(generated.old_logp, resources.batch_sharding),
     ref_logp=ref_logp,
-    metrics=m,
+    metrics=metrics,
     num_tokens=num_tokens,
   )
 
@@ -282,19 +282,19 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       state, update_metrics = step(state, mini)
       results.append(update_metrics)
   results = jax.device_get(results)
-  m = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
+  metrics = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
   if efficiency:
-    m['throughput/real_token_frac_padded'] = float(np.mean([e[0] for e in efficiency]))
-    m['throughput/real_token_frac_packed'] = float(np.mean([e[1] for e in efficiency]))
+    metrics['throughput/real_token_frac_padded'] = float(np.mean([e[0] for e in efficiency]))
+    metrics['throughput/real_token_frac_packed'] = float(np.mean([e[1] for e in efficiency]))
     if packer.budget:
-      m['throughput/micro_batches'] = float(np.mean([e[2] for e in efficiency]))
+      metrics['throughput/micro_batches'] = float(np.mean([e[2] for e in efficiency]))
   # The first minibatch is scored before any update: the sampler/trainer gap.
   if 'actor/logp_diff_abs' in results[0]:
-    m['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])
+    metrics['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])
   for k in ('actor/nonfinite', 'critic/nonfinite'):
     if k in results[0]:
-      m[k] = float(np.max([u[k] for u in results]))
-  return state, m, time.perf_counter() - start
+      metrics[k] = float(np.max([u[k] for u in results]))
+  return state, metrics, time.perf_counter() - start
 
 
 def logprobs_fn(config, graphdef, packer=None):
@@ -312,7 +312,7 @@ def logprobs_fn(config, graphdef, packer=None):
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
-def proximal(logprobs, params, generated, it, res):
+def proximal(logprobs, params, generated, it, resources):
   """Decoupled PPO for a rollout of an older policy (one-step-off): the
   proximal logprobs (`logprobs`, the run's jitted logprob step, at the
   current `params`), the truncated importance weights proximal / behaviour
@@ -320,10 +320,10 @@ def proximal(logprobs, params, generated, it, res):
   version (`generated.version == it`) keeps its behaviour logprobs, weights 1."""
   if generated.version == it:
     return generated.old_logp, jnp.ones_like(generated.old_logp), {}
-  config = res.config
-  with res.tracer.span('proximal'):
+  config = resources.config
+  with resources.tracer.span('proximal'):
     old_logp = common.minibatched(
-      logprobs, params, generated.batch, config.rl.minibatch_size, res.batch_sharding
+      logprobs, params, generated.batch, config.rl.minibatch_size, resources.batch_sharding
     )
     jax.block_until_ready(old_logp)
   is_weights, is_metrics = L.importance_weights(
@@ -334,11 +334,11 @@ def proximal(logprobs, params, generated, it, res):
     mode='truncate',
     high=config.topology.is_cap,
   )
-  m = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
-  m['rollout/behaviour_logp_diff_abs'] = float(
+  metrics = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
+  metrics['rollout/behaviour_logp_diff_abs'] = float(
     L.token_mean(jnp.abs(old_logp - generated.old_logp), generated.batch.loss_mask)
   )
-  return old_logp, is_weights, m
+  return old_logp, is_weights, metrics
 
 
 class Algorithm(NamedTuple):
@@ -357,7 +357,7 @@ class Algorithm(NamedTuple):
   after: Callable | None = None
 
 
-def iteration(state, it, algorithm, *, config, res, topo, logprobs, packer, uses_ref):
+def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer, uses_ref):
   """One RL iteration of an online algorithm, top to bottom: the rollout (its
   worker, through the topology) -> rewards shaped -> placed on the mesh, the
   reference pass -> for a rollout of an older policy, the proximal pass and
@@ -369,27 +369,27 @@ def iteration(state, it, algorithm, *, config, res, topo, logprobs, packer, uses
   state, shaped = shape_rewards(state, generated.rewards, config.reward, generated.metrics)
   ref_params = state.extra['ref_params'] if uses_ref else None
   generated = place_rollout(
-    generated._replace(rewards=shaped), res, logprobs, ref_params, rl.minibatch_size
+    generated._replace(rewards=shaped), resources, logprobs, ref_params, rl.minibatch_size
   )
-  m = dict(generated.metrics)
+  metrics = dict(generated.metrics)
   old_logp, is_weights = generated.old_logp, None
   if topo.staleness:
-    old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, generated, it, res)
-    m.update(stale_metrics)
-  full, adv = algorithm.batch(state, generated, old_logp, is_weights, m)
-  with topo.update_window(), res.tracer.span('update', iteration=it):
+    old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, generated, it, resources)
+    metrics.update(stale_metrics)
+  full, adv = algorithm.batch(state, generated, old_logp, is_weights, metrics)
+  with topo.update_window(), resources.tracer.span('update', iteration=it):
     state, update_metrics, t_update = run_minibatches(
-      algorithm.update, state, full, config, it, res.batch_sharding, packer
+      algorithm.update, state, full, config, it, resources.batch_sharding, packer
     )
-  m.update(update_metrics)
-  m.update(advantage_metrics(adv, generated.batch.loss_mask))
+  metrics.update(update_metrics)
+  metrics.update(advantage_metrics(adv, generated.batch.loss_mask))
   if algorithm.after is not None:
-    state = algorithm.after(state, generated, m)
-  m['time/update'] = t_update
-  m['time/step'] = time.perf_counter() - t_step
-  m['throughput/update_tokens_per_s'] = rl.epochs * generated.num_tokens / max(t_update, 1e-9)
-  m['phase'] = 1.0
-  return state, m
+    state = algorithm.after(state, generated, metrics)
+  metrics['time/update'] = t_update
+  metrics['time/step'] = time.perf_counter() - t_step
+  metrics['throughput/update_tokens_per_s'] = rl.epochs * generated.num_tokens / max(t_update, 1e-9)
+  metrics['phase'] = 1.0
+  return state, metrics
 
 
 def advantage_metrics(adv, loss_mask):
@@ -404,7 +404,7 @@ def advantage_metrics(adv, loss_mask):
 
 def job(
   config,
-  res,
+  resources,
   state,
   *,
   worker,
@@ -434,7 +434,7 @@ def job(
     iteration,
     algorithm=algorithm,
     config=config,
-    res=res,
+    resources=resources,
     topo=topo,
     logprobs=steps.logprobs,
     packer=packer,
@@ -445,7 +445,7 @@ def job(
     return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
 
   return controller.Job(
-    res,
+    resources,
     state,
     iterate,
     evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params), int(state.step)),

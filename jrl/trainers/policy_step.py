@@ -59,7 +59,7 @@ class PolicyLossConfig(NamedTuple):
   router_aux_coef: float = 0.0  # MoE router load-balancing loss in the loss (0: off)
 
 
-def policy_loss(params, graphdef, batch, cfg):
+def policy_loss(params, graphdef, batch, policy_config):
   """Scalar loss and metrics for one minibatch, or for the micro-batch of it
   that `batch.packed.select` holds.
 
@@ -78,41 +78,50 @@ def policy_loss(params, graphdef, batch, cfg):
     batch.tokens,
     batch.mask,
     batch.packed,
-    temperature=cfg.temperature,
-    chunk_size=cfg.chunk_size,
+    temperature=policy_config.temperature,
+    chunk_size=policy_config.chunk_size,
     with_entropy=True,
-    with_router_loss=bool(cfg.router_aux_coef),
+    with_router_loss=bool(policy_config.router_aux_coef),
   )
-  return objective(logp, entropy, router[0] if router else None, batch, cfg)
+  return objective(logp, entropy, router[0] if router else None, batch, policy_config)
 
 
-def objective(logp, entropy, router_loss, batch, cfg):
+def objective(logp, entropy, router_loss, batch, policy_config):
   """`policy_loss` from the model's outputs: the policy loss named by
-  `cfg`, the off-policy mask and importance weights, the KL and entropy
+  `policy_config`, the off-policy mask and importance weights, the KL and entropy
   terms, aggregated.
 
   Args:
     logp, entropy: [B, T] float32 at the sampling temperature.
     router_loss: [] the MoE router's load-balancing loss, or None.
-    batch: PolicyBatch; cfg: PolicyLossConfig.
+    batch: PolicyBatch; policy_config: PolicyLossConfig.
 
   Returns:
     (loss [], metrics dict of [] float32).
   """
   stop = jax.lax.stop_gradient
-  m_all = batch.loss_mask
-  held, m = common.held_mask(m_all, batch.packed)
+  loss_mask = batch.loss_mask
+  held, own_mask = common.held_mask(loss_mask, batch.packed)
   # Sequences of other micro-batches: the behaviour logprobs stand in for
   # theirs (ratio 1, every term finite), and their terms are zeroed.
   logp = common.only_held(logp, held, stop(batch.old_logp))
   entropy = common.only_held(entropy, held)
   pg, metrics = L.policy_loss_by_name(
-    cfg.policy_loss, logp, batch.old_logp, batch.advantages, m, dict(cfg.loss_args)
+    policy_config.policy_loss,
+    logp,
+    batch.old_logp,
+    batch.advantages,
+    own_mask,
+    dict(policy_config.loss_args),
   )
-  if cfg.off_policy_mask_threshold is not None:
+  if policy_config.off_policy_mask_threshold is not None:
     # DeepSeek-V3.2's off-policy sequence mask, against the behaviour logprobs.
     keep, opsm_metrics = L.off_policy_sequence_mask(
-      logp, batch.old_logp, batch.advantages, m, threshold=cfg.off_policy_mask_threshold
+      logp,
+      batch.old_logp,
+      batch.advantages,
+      own_mask,
+      threshold=policy_config.off_policy_mask_threshold,
     )
     pg = pg * keep
     metrics.update(opsm_metrics)
@@ -121,37 +130,39 @@ def objective(logp, entropy, router_loss, batch, cfg):
     pg = pg * is_weights
   total = pg
   kl = jnp.zeros_like(pg)
-  if cfg.kl_coef:
+  if policy_config.kl_coef:
     kl = L.kl_penalty(
       logp,
       batch.ref_logp,
-      estimator=cfg.kl_estimator,
-      input_clamp=cfg.kl_input_clamp,
-      output_clamp=cfg.kl_output_clamp,
-      mask=m,
+      estimator=policy_config.kl_estimator,
+      input_clamp=policy_config.kl_input_clamp,
+      output_clamp=policy_config.kl_output_clamp,
+      mask=own_mask,
       old_logp=batch.old_logp,
     )
-    total = total + cfg.kl_coef * kl
-  if cfg.entropy_coef:
-    total = total + cfg.entropy_coef * L.entropy_loss(entropy, m)
+    total = total + policy_config.kl_coef * kl
+  if policy_config.entropy_coef:
+    total = total + policy_config.entropy_coef * L.entropy_loss(entropy, own_mask)
   own = lambda x: common.only_held(x, held)
-  loss = L.aggregate_loss(own(total), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm)
+  loss = L.aggregate_loss(
+    own(total), loss_mask, policy_config.loss_agg, loss_norm=policy_config.loss_norm
+  )
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
-  if cfg.router_aux_coef:
+  if policy_config.router_aux_coef:
     # A micro-batch's router loss is over its own tokens: weighed by its
     # share of the minibatch's real tokens (exact for one micro-batch).
     real_mask = batch.mask if held is None else batch.mask & held
     real_share = jnp.sum(real_mask) / jnp.maximum(jnp.sum(batch.mask), 1)
-    loss = loss + cfg.router_aux_coef * real_share * router_loss
+    loss = loss + policy_config.router_aux_coef * real_share * router_loss
     metrics['actor/router_loss'] = stop(router_loss)
   metrics['actor/pg_loss'] = L.aggregate_loss(
-    own(stop(pg)), m_all, cfg.loss_agg, loss_norm=cfg.loss_norm
+    own(stop(pg)), loss_mask, policy_config.loss_agg, loss_norm=policy_config.loss_norm
   )
-  metrics['actor/kl_ref'] = L.token_mean(stop(kl), m)
-  metrics['actor/entropy'] = L.token_mean(stop(entropy), m)
+  metrics['actor/kl_ref'] = L.token_mean(stop(kl), own_mask)
+  metrics['actor/entropy'] = L.token_mean(stop(entropy), own_mask)
   # Before any update this is the sampler-vs-trainer logprob difference.
-  metrics['actor/logp_diff_abs'] = L.token_mean(stop(jnp.abs(logp - batch.old_logp)), m)
-  metrics[TOKEN_SHARE] = jnp.sum(m) / jnp.maximum(jnp.sum(m_all), 1)
+  metrics['actor/logp_diff_abs'] = L.token_mean(stop(jnp.abs(logp - batch.old_logp)), own_mask)
+  metrics[TOKEN_SHARE] = jnp.sum(own_mask) / jnp.maximum(jnp.sum(loss_mask), 1)
   return loss, metrics
 
 
@@ -161,7 +172,7 @@ TOKEN_SHARE = 'token_share'
 ADDITIVE_METRICS = ('actor/loss', 'actor/pg_loss')
 
 
-def train_step(state, batch, *, graphdef, tx, schedule, cfg, accum=1):
+def train_step(state, batch, *, graphdef, tx, schedule, policy_config, accum=1):
   """One optimiser step on one minibatch; non-finite steps are skipped.
 
   Args:
@@ -169,22 +180,24 @@ def train_step(state, batch, *, graphdef, tx, schedule, cfg, accum=1):
     batch: PolicyBatch.
     graphdef: the model graph (static).
     tx, schedule: from `make_optimizer`.
-    cfg: PolicyLossConfig.
+    policy_config: PolicyLossConfig.
     accum: gradient-accumulation factor (for the logged learning rate).
 
   Returns:
     (state, metrics).
   """
-  loss, metrics, grads = loss_and_grads(state, batch, graphdef=graphdef, cfg=cfg)
+  loss, metrics, grads = loss_and_grads(
+    state, batch, graphdef=graphdef, policy_config=policy_config
+  )
   del metrics[TOKEN_SHARE]
   return apply_update(state, grads, loss, metrics, tx=tx, schedule=schedule, accum=accum)
 
 
-def loss_and_grads(state, batch, *, graphdef, cfg):
+def loss_and_grads(state, batch, *, graphdef, policy_config):
   """(loss [], metrics, grads) of `policy_loss` at `state.params` on one
   (micro-)batch."""
   (loss, metrics), grads = jax.value_and_grad(policy_loss, has_aux=True)(
-    state.params, graphdef, batch, cfg
+    state.params, graphdef, batch, policy_config
   )
   metrics['actor/loss'] = loss
   return loss, metrics, grads
@@ -208,16 +221,22 @@ class AdvantageConfig(NamedTuple):
   kl_coef_in_reward: float = 0.0  # β of a KL penalty folded into the reward
 
 
-def advantages(rewards_B, loss_mask_BxT, group_size, cfg, kl_BxT=None):
+def advantages(rewards_B, loss_mask_BxT, group_size, adv_config, kl_BxT=None):
   """Per-token advantages [B, T] of one rollout batch (`L.token_advantages_by_name`).
 
   Outcome estimators (grpo, dr_grpo, rloo, loo) give each response token its
   sequence's advantage; REINFORCE++ variants use per-token returns with the
   KL penalty (β = `kl_coef_in_reward`) in the reward.
   """
-  args = {**dict(cfg.args), 'kl_coef': cfg.kl_coef_in_reward}
+  args = {**dict(adv_config.args), 'kl_coef': adv_config.kl_coef_in_reward}
   return L.token_advantages_by_name(
-    cfg.estimator, rewards_B, loss_mask_BxT, group_size, args, kl=kl_BxT, field='rl.advantage'
+    adv_config.estimator,
+    rewards_B,
+    loss_mask_BxT,
+    group_size,
+    args,
+    kl=kl_BxT,
+    field='rl.advantage',
   )
 
 

@@ -76,20 +76,20 @@ def value_loss_fn(params, graphdef, batch, value_clip):
   """Token-mean value loss of a minibatch, or the share of it that the
   micro-batch `batch.packed.select` holds (as `policy_step.policy_loss`)."""
   v = critic_values(graphdef, params, batch.tokens, batch.mask, batch.packed)
-  m_all = batch.loss_mask
-  held, m = common.held_mask(m_all, batch.packed)
+  loss_mask = batch.loss_mask
+  held, own_mask = common.held_mask(loss_mask, batch.packed)
   v = common.only_held(v, held, jax.lax.stop_gradient(batch.old_values))
   per_token, metrics = L.value_loss(
-    v, batch.old_values, batch.returns, m, clip_eps=value_clip or None
+    v, batch.old_values, batch.returns, own_mask, clip_eps=value_clip or None
   )
-  loss = L.token_mean(common.only_held(per_token, held), m_all)
+  loss = L.token_mean(common.only_held(per_token, held), loss_mask)
   return loss, {f'critic/{k}': v for k, v in metrics.items()}
 
 
 ADDITIVE_METRICS = policy_step.ADDITIVE_METRICS + ('critic/vf_loss',)
 
 
-def loss_and_grads(state, batch, *, graphdef, critic_graphdef, cfg, value_clip):
+def loss_and_grads(state, batch, *, graphdef, critic_graphdef, policy_config, value_clip):
   """((policy loss, value loss), metrics, (policy grads, critic grads)) of
   one (micro-)batch."""
   pbatch = policy_step.PolicyBatch(
@@ -102,7 +102,9 @@ def loss_and_grads(state, batch, *, graphdef, critic_graphdef, cfg, value_clip):
     is_weights=batch.is_weights,
     packed=batch.packed,
   )
-  loss, metrics, grads = policy_step.loss_and_grads(state, pbatch, graphdef=graphdef, cfg=cfg)
+  loss, metrics, grads = policy_step.loss_and_grads(
+    state, pbatch, graphdef=graphdef, policy_config=policy_config
+  )
   (vloss, vmetrics), vgrads = jax.value_and_grad(value_loss_fn, has_aux=True)(
     state.extra['critic'].params, critic_graphdef, batch, value_clip
   )
@@ -135,7 +137,7 @@ def train_step(
   schedule,
   critic_tx,
   critic_schedule,
-  cfg,
+  policy_config,
   value_clip,
 ):
   """One minibatch update of the policy (PPO clip) and of the critic.
@@ -144,7 +146,12 @@ def train_step(
     (state, metrics); a non-finite loss or gradient skips that model's update.
   """
   losses, metrics, grads = loss_and_grads(
-    state, batch, graphdef=graphdef, critic_graphdef=critic_graphdef, cfg=cfg, value_clip=value_clip
+    state,
+    batch,
+    graphdef=graphdef,
+    critic_graphdef=critic_graphdef,
+    policy_config=policy_config,
+    value_clip=value_clip,
   )
   del metrics[policy_step.TOKEN_SHARE]
   return apply_update(
@@ -174,24 +181,26 @@ SECTION = checks.Section(
 SECTIONS = (*online.SECTIONS, SECTION)
 
 
-def make_critic(config, res, policy_params, key):
+def make_critic(config, resources, policy_params, key):
   """(graphdef, params) of the critic: `ppo.critic_path` (a reward model's
   export) if set, else the policy's backbone with a fresh scalar head. The
   critic takes the policy's `model.remat` and `model.scan_layers`, never its
   LoRA adapters: all of it trains."""
   if config.ppo.critic_path:
-    m = config.model
+    model_section = config.model
     ck = hf_lib.load(
       config.ppo.critic_path,
-      mesh=res.mesh,
+      mesh=resources.mesh,
       lm_head=False,
       scalar_head=True,
       head_key=key,
-      remat='none' if m.remat == 'auto' else m.remat,  # 'auto': the update's plan
-      scan_layers=m.scan_layers,
+      remat='none'
+      if model_section.remat == 'auto'
+      else model_section.remat,  # 'auto': the update's plan
+      scan_layers=model_section.scan_layers,
     )
     return ck.graphdef, ck.params
-  return setup.critic_from_policy(res.model.config, policy_params, key, res.mesh)
+  return setup.critic_from_policy(resources.model.config, policy_params, key, resources.mesh)
 
 
 class Steps(NamedTuple):
@@ -203,19 +212,21 @@ class Steps(NamedTuple):
   gae: Any  # (token rewards, values, mask) -> (advantages, returns), each [B, T]
 
 
-def make_steps(config, res, critic, optimizers, shardings, packer=None, remat=None):
+def make_steps(config, resources, critic, optimizers, shardings, packer=None, remat=None):
   """The Steps of a run. `critic` is (graphdef, params); the update's
   forwards (policy and critic) run with the `remat` policy (None: the
   models' own, `memory_plan.with_remat`)."""
   (tx, schedule), (critic_tx, critic_schedule) = optimizers
-  critic_graphdef, graphdef = critic[0], res.model.graphdef
+  critic_graphdef, graphdef = critic[0], resources.model.graphdef
   models_ = dict(graphdef=graphdef, critic_graphdef=critic_graphdef)
   if remat is not None:
-    models_['graphdef'] = memory_plan.with_remat(graphdef, res.params, remat)
+    models_['graphdef'] = memory_plan.with_remat(graphdef, resources.params, remat)
     models_['critic_graphdef'] = memory_plan.with_remat(critic_graphdef, critic[1], remat)
   models_ = dict(
     **models_,
-    cfg=policy_step.loss_config(config.rl, config.train.chunk_size, config.sampling.temperature),
+    policy_config=policy_step.loss_config(
+      config.rl, config.train.chunk_size, config.sampling.temperature
+    ),
     value_clip=config.ppo.value_clip,
   )
   optim = dict(tx=tx, schedule=schedule, critic_tx=critic_tx, critic_schedule=critic_schedule)
@@ -232,9 +243,9 @@ def make_steps(config, res, critic, optimizers, shardings, packer=None, remat=No
   gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   return Steps(
-    parallel.on_mesh(res.mesh, ppo_step),
-    parallel.on_mesh(res.mesh, online.logprobs_fn(config, res.model.graphdef, packer)),
-    parallel.on_mesh(res.mesh, values),
+    parallel.on_mesh(resources.mesh, ppo_step),
+    parallel.on_mesh(resources.mesh, online.logprobs_fn(config, resources.model.graphdef, packer)),
+    parallel.on_mesh(resources.mesh, values),
     gae,
   )
 
@@ -244,7 +255,7 @@ def build(
 ):
   """The job of a PPO run (`make_worker`, `sft_batch`, `sections`: as `grpo.build`)."""
   rl, ppo = config.rl, config.ppo
-  res, rollout_mesh, rows = online.start(config, sections)
+  resources, rollout_mesh, rows = online.start(config, sections)
   tx, schedule = setup.optimizer(config)
   critic_optim = config.optim.copy_and_resolve_references()
   with critic_optim.unlocked():
@@ -265,39 +276,39 @@ def build(
     """Policy state with the reference, a critic built from `params` and the
     KL controller (at the start, and again when RL begins)."""
     extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
-    critic_graphdef, critic_params = make_critic(config, res, params, critic_key)
+    critic_graphdef, critic_params = make_critic(config, resources, params, critic_key)
     critic_graphdefs.append(critic_graphdef)
     extra['critic'] = common.init_state(critic_params, critic_tx)
     extra['kl_ctl'] = kl_ctl.init()
     extra.update(online.reward_state(config.reward))
-    return setup.new_state(params, tx, res.mesh, extra)
+    return setup.new_state(params, tx, resources.mesh, extra)
 
-  state = new_state(res.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
-  warmup = sft.warmup(res, state, sft_batch)
-  shardings = setup.step_shardings(state, res.mesh)
+  state = new_state(resources.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
+  warmup = sft.warmup(resources, state, sft_batch)
+  shardings = setup.step_shardings(state, resources.mesh)
   optimizers = ((tx, schedule), (critic_tx, critic_schedule))
-  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
-  worker, topo = online.finish(config, res, rollout_mesh, rows, make_worker)
+  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+  worker, topo = online.finish(config, resources, rollout_mesh, rows, make_worker)
   critic = (critic_graphdefs[0], state.extra['critic'].params)
 
   def probe_batch(tokens, mask, loss_mask):
-    put = lambda x: common.place_global(x, res.batch_sharding)
+    put = lambda x: common.place_global(x, resources.batch_sharding)
     z = put(np.zeros(tokens.shape, np.float32))
     is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
     return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights)
 
   steps, packer, plan = memory_plan.planned_steps(
     config,
-    res,
+    resources,
     state,
     packer,
-    lambda remat, p: make_steps(config, res, critic, optimizers, shardings, p, remat),
+    lambda remat, p: make_steps(config, resources, critic, optimizers, shardings, p, remat),
     probe_batch,
     models=2,  # the policy and its critic
     worker=worker,
   )
 
-  def batch(state, generated, old_logp, is_weights, m):
+  def batch(state, generated, old_logp, is_weights, metrics):
     """The critic's values, the KL-shaped token rewards, GAE (whitened) and
     the PPOBatch of a placed rollout."""
     mask = generated.batch.loss_mask
@@ -312,14 +323,14 @@ def build(
     )
     critic = state.extra['critic']
     old_values = common.minibatched(
-      steps.values, critic.params, generated.batch, rl.minibatch_size, res.batch_sharding
+      steps.values, critic.params, generated.batch, rl.minibatch_size, resources.batch_sharding
     )
     adv, returns = steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
-    m['actor/kl_coef'] = beta
-    m['rollout/kl'] = float(L.token_mean(kl, mask))
-    m['critic/values_mean'] = float(L.token_mean(old_values, mask))
-    m['critic/returns_mean'] = float(L.token_mean(returns, mask))
+    metrics['actor/kl_coef'] = beta
+    metrics['rollout/kl'] = float(L.token_mean(kl, mask))
+    metrics['critic/values_mean'] = float(L.token_mean(old_values, mask))
+    metrics['critic/returns_mean'] = float(L.token_mean(returns, mask))
     full = PPOBatch(
       generated.batch.tokens,
       generated.batch.mask,
@@ -333,16 +344,16 @@ def build(
     )
     return full, adv
 
-  def after(state, generated, m):
+  def after(state, generated, metrics):
     """The KL controller, updated by the KL the rollout measured."""
     del generated
     n = rl.prompts_per_step * rl.group_size
-    new_ctl = kl_ctl.update(state.extra['kl_ctl'], m['rollout/kl'], n)
+    new_ctl = kl_ctl.update(state.extra['kl_ctl'], metrics['rollout/kl'], n)
     return state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
 
   return online.job(
     config,
-    res,
+    resources,
     state,
     worker=worker,
     topo=topo,

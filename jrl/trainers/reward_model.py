@@ -109,43 +109,43 @@ SECTION = checks.Section(
 SECTIONS = (SECTION,)
 
 
-def pair_sources(config, res):
+def pair_sources(config, resources):
   """(`next_pairs(n, iteration)`, held-out pairs): `rm.train_path` and
   `rm.eval_path`, or arithmetic pairs from the task's streams."""
   rm = config.rm
   if rm.train_path:
     # Chosen and rejected are scored without an eos token.
-    check_pair = functools.partial(res.checker.pair, eos=False)
+    check_pair = functools.partial(resources.checker.pair, eos=False)
     pairs = PromptStream(
       read_preference_jsonl(rm.train_path, check=check_pair), seed=setup.seed(config.seed, 'rm')
     )
-    res.streams['rm_stream'] = pairs
+    resources.streams['rm_stream'] = pairs
     held_out = read_preference_jsonl(rm.eval_path, check=check_pair) if rm.eval_path else []
     return lambda n, iteration: pairs.next(n), held_out
 
   def task_pairs(n, iteration):
-    examples = res.streams['rl_stream'].next(n)
+    examples = resources.streams['rl_stream'].next(n)
     return tasks.arith_pairs(examples, setup.seed(config.seed, iteration, 'corrupt'))
 
-  return task_pairs, tasks.arith_pairs(res.task.held_out, setup.seed(config.seed, 'rm_eval'))
+  return task_pairs, tasks.arith_pairs(resources.task.held_out, setup.seed(config.seed, 'rm_eval'))
 
 
-def pack_pairs(res, pairs):
+def pack_pairs(resources, pairs):
   """[2P, T] rows: prompt + chosen for P pairs, then prompt + rejected."""
-  prompts = [res.encoder.prompt_ids(p['prompt']) for p in pairs]
-  chosen = [res.tokenizer.encode(str(p['chosen'])) for p in pairs]
-  rejected = [res.tokenizer.encode(str(p['rejected'])) for p in pairs]
+  prompts = [resources.encoder.prompt_ids(p['prompt']) for p in pairs]
+  chosen = [resources.tokenizer.encode(str(p['chosen'])) for p in pairs]
+  rejected = [resources.tokenizer.encode(str(p['rejected'])) for p in pairs]
   return common.pack_sequences(
-    prompts + prompts, chosen + rejected, res.seq_len, res.tokenizer.pad_id
+    prompts + prompts, chosen + rejected, resources.seq_len, resources.tokenizer.pad_id
   )
 
 
-def score_pairs(res, scores, params, pairs, rows):
+def score_pairs(resources, scores, params, pairs, rows):
   """(chosen scores [P], rejected scores [P]) of preference pairs, scored in
   batches of `rows` rows (`scores(params, tokens, mask) -> [rows]`)."""
-  shards = setup.batch_shards(res.mesh)
+  shards = setup.batch_shards(resources.mesh)
   rows = max(shards, rows - rows % shards)
-  packed = pack_pairs(res, pairs)
+  packed = pack_pairs(resources, pairs)
   tokens, mask = np.asarray(packed.tokens), np.asarray(packed.mask)
   n = tokens.shape[0]
   pad = -n % rows
@@ -155,7 +155,9 @@ def score_pairs(res, scores, params, pairs, rows):
   out = []
   for start in range(0, tokens.shape[0], rows):
     sl = slice(start, start + rows)
-    placed = common.place(common.SequenceBatch(tokens[sl], mask[sl], mask[sl]), res.batch_sharding)
+    placed = common.place(
+      common.SequenceBatch(tokens[sl], mask[sl], mask[sl]), resources.batch_sharding
+    )
     out.append(distributed.fetch(scores(params, placed.tokens, placed.mask)))
   all_scores = np.concatenate(out)[:n]
   p = len(pairs)
@@ -170,57 +172,57 @@ class Steps(NamedTuple):
 def build(config):
   """The job of reward-model training: `rm.steps` updates on
   `rm.pairs_per_step` pairs each, held-out pairwise accuracy every `eval.every`."""
-  res, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
+  resources, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
   rm = config.rm
-  next_pairs, held_out = pair_sources(config, res)
+  next_pairs, held_out = pair_sources(config, resources)
   tx, schedule = setup.optimizer(config)
   # The reward model (policy backbone + fresh scalar head) is what trains.
   head_key = jax.random.PRNGKey(setup.seed(config.seed, 'rm_head'))
   rm_graphdef, rm_params = setup.critic_from_policy(
-    res.model.config, res.params, head_key, res.mesh
+    resources.model.config, resources.params, head_key, resources.mesh
   )
-  state = setup.new_state(rm_params, tx, res.mesh)
+  state = setup.new_state(rm_params, tx, resources.mesh)
   rm_step = jax.jit(
     functools.partial(
       train_step, graphdef=rm_graphdef, tx=tx, schedule=schedule, center_coef=rm.center_coef
     ),
     donate_argnums=(0,),
-    out_shardings=setup.step_shardings(state, res.mesh),
+    out_shardings=setup.step_shardings(state, resources.mesh),
   )
   scores = jax.jit(functools.partial(models.sequence_scores, rm_graphdef))
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
-  steps = Steps(parallel.on_mesh(res.mesh, rm_step), parallel.on_mesh(res.mesh, scores))
-  replicated = setup.step_shardings(state, res.mesh)[1]
-  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
+  steps = Steps(parallel.on_mesh(resources.mesh, rm_step), parallel.on_mesh(resources.mesh, scores))
+  replicated = setup.step_shardings(state, resources.mesh)[1]
+  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
 
   def iterate(state, it):
     t_step = time.perf_counter()
     pairs = next_pairs(rm.pairs_per_step, it)
-    batch = pack_pairs(res, pairs)
+    batch = pack_pairs(resources, pairs)
     margin = np.asarray(
       [float(p.get('margin', rm.margin)) for p in pairs], np.float32
     )  # a per-row "margin" field overrides the configured one
     rows = common.place(
-      common.SequenceBatch(batch.tokens, batch.mask, batch.mask), res.batch_sharding
+      common.SequenceBatch(batch.tokens, batch.mask, batch.mask), resources.batch_sharding
     )
     rows = common.with_packed(rows, packer)
     placed = PairBatch(rows.tokens, rows.mask, jax.device_put(margin, replicated), rows.packed)
     start = time.perf_counter()
-    with res.tracer.span('update', iteration=it):
-      state, m = steps.rm(state, placed)
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
-    m['time/update'] = time.perf_counter() - start
-    m['time/step'] = time.perf_counter() - t_step
-    m['phase'] = 1.0
-    return state, m
+    with resources.tracer.span('update', iteration=it):
+      state, metrics = steps.rm(state, placed)
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics['time/update'] = time.perf_counter() - start
+    metrics['time/step'] = time.perf_counter() - t_step
+    metrics['phase'] = 1.0
+    return state, metrics
 
   def evaluate(state):
     """Held-out pairwise accuracy and mean margin."""
     if not held_out:
       return {}
-    with res.tracer.span('eval'):
+    with resources.tracer.span('eval'):
       chosen, rejected = score_pairs(
-        res, steps.scores, state.params, held_out, 2 * rm.pairs_per_step
+        resources, steps.scores, state.params, held_out, 2 * rm.pairs_per_step
       )
     return {
       'eval/pair_accuracy': float(np.mean(chosen > rejected)),
@@ -228,7 +230,7 @@ def build(config):
       'eval/reward_mean': float(np.mean(np.concatenate([chosen, rejected]))),
     }
 
-  return controller.Job(res, state, iterate, evaluate, steps=steps, models=('sft', 'rm'))
+  return controller.Job(resources, state, iterate, evaluate, steps=steps, models=('sft', 'rm'))
 
 
 ALGORITHM = checks.register(checks.Algorithm('reward_model', build, SECTIONS, steps_section='rm'))

@@ -166,35 +166,37 @@ class RolloutWorker:
   (one-step-off); `evaluate` takes the same lock around the sampler.
   """
 
-  def __init__(self, res, mesh, prompt_rows):
-    """`res`: setup.Resources; `mesh`: where the sampler runs; `prompt_rows`:
+  def __init__(self, resources, mesh, prompt_rows):
+    """`resources`: setup.Resources; `mesh`: where the sampler runs; `prompt_rows`:
     (lo, hi), this process's prompts of each batch."""
-    config = res.config
+    config = resources.config
     self.config = config
-    self.tokenizer = res.tokenizer
-    self.encoder = res.encoder
-    self.stream = res.streams['rl_stream']
-    self.stop_tokens = res.stop_tokens
-    self.seq_len = res.seq_len
-    self.tracer = res.tracer
+    self.tokenizer = resources.tokenizer
+    self.encoder = resources.encoder
+    self.stream = resources.streams['rl_stream']
+    self.stop_tokens = resources.stop_tokens
+    self.seq_len = resources.seq_len
+    self.tracer = resources.tracer
     self.prompt_rows = prompt_rows
     self.lock = threading.Lock()
     sizes = (config.rl.group_size,)
-    if res.task.held_out:
+    if resources.task.held_out:
       sizes += engines.eval_group_sizes(config)
-    self.engine = engines.build_engine(config, res.model, mesh, res.stop_tokens, sizes)
-    self.engine.tracer = res.tracer
+    self.engine = engines.build_engine(config, resources.model, mesh, resources.stop_tokens, sizes)
+    self.engine.tracer = resources.tracer
     self.held_out = HeldOut(
       config,
-      res.encoder,
-      res.tokenizer,
-      res.stop_tokens,
-      res.task.held_out,
+      resources.encoder,
+      resources.tokenizer,
+      resources.stop_tokens,
+      resources.task.held_out,
       self.engine,
       self.lock,
-      res.tracer,
+      resources.tracer,
     )
-    self.scorer, self.sandbox_level = make_scorer(config.reward, res.tokenizer, mesh, res.is_main)
+    self.scorer, self.sandbox_level = make_scorer(
+      config.reward, resources.tokenizer, mesh, resources.is_main
+    )
     self.last_errors = []  # the reward service's first errors of the latest batch
     self.last_samples = []  # the latest batch's first group, for the sample log
 
@@ -266,21 +268,21 @@ class RolloutWorker:
   def _reward_metrics(self, scored):
     """Per reward function: mean and std of the scored values, unscored,
     failed and timed-out counts, and the unscored fraction."""
-    m = {}
+    metrics = {}
     for name, values in scored.per_fn.items():
       scored_values = values[np.isfinite(values)]
-      m[f'reward/{name}/mean'] = float(scored_values.mean()) if scored_values.size else 0.0
-      m[f'reward/{name}/std'] = float(scored_values.std()) if scored_values.size else 0.0
-      m[f'reward/{name}/unscored'] = float(scored.unscored[name])
-      m[f'reward/{name}/failures'] = float(scored.failures[name])
-      m[f'reward/{name}/timeouts'] = float(scored.timeouts[name])
-      m[f'reward/{name}/unscored_frac'] = float(np.mean(~np.isfinite(values)))
+      metrics[f'reward/{name}/mean'] = float(scored_values.mean()) if scored_values.size else 0.0
+      metrics[f'reward/{name}/std'] = float(scored_values.std()) if scored_values.size else 0.0
+      metrics[f'reward/{name}/unscored'] = float(scored.unscored[name])
+      metrics[f'reward/{name}/failures'] = float(scored.failures[name])
+      metrics[f'reward/{name}/timeouts'] = float(scored.timeouts[name])
+      metrics[f'reward/{name}/unscored_frac'] = float(np.mean(~np.isfinite(values)))
     if self.sandbox_level is not None:  # 3 full, 2 no cgroup, 1 degraded (unsafe opt-in)
-      m['reward/sandbox_isolation'] = float(rewards.sandbox.isolation_metric())
+      metrics['reward/sandbox_isolation'] = float(rewards.sandbox.isolation_metric())
     if scored.errors:
       self.last_errors = list(scored.errors)
       print('reward errors (scored as unscored):\n  ' + '\n  '.join(scored.errors))
-    return m
+    return metrics
 
   # The interface ----------------------------------------------------------------
 
@@ -298,7 +300,7 @@ class RolloutWorker:
     version = iteration if version is None else version
     g, b = rl.group_size, rl.prompts_per_step
     plo, phi = self.prompt_rows
-    m = {}
+    metrics = {}
     kept, dropped = [], []
     t_gen = t_reward = 0.0
     zero_var_groups = drawn_groups = gen_tokens = 0
@@ -330,7 +332,7 @@ class RolloutWorker:
       if len(kept) >= b:
         break
     if rl.dynamic_sampling:
-      m['groups/dynamic_sampling_short'] = float(len(kept) < b)
+      metrics['groups/dynamic_sampling_short'] = float(len(kept) < b)
     kept = (kept + dropped)[:b]
     requests = [k[0] for k in kept]
     groups = [k[1] for k in kept]
@@ -351,18 +353,18 @@ class RolloutWorker:
     batch, old_logp = pack_completions(prompts, completions, self.seq_len, self.tokenizer.pad_id)
     lengths = np.asarray([len(c.tokens) for c in completions])
 
-    m['reward/mean'] = float(rewards_np.mean())
-    m['reward/std'] = float(rewards_np.std())
-    m.update(self._reward_metrics(first_scored))
-    m['reward/length_corr'] = reward_norm.length_correlation(rewards_np, lengths)
-    m['response_length/mean'] = float(lengths.mean())
-    m['response_length/max'] = float(lengths.max())
-    m['response_length/clip_ratio'] = float(
+    metrics['reward/mean'] = float(rewards_np.mean())
+    metrics['reward/std'] = float(rewards_np.std())
+    metrics.update(self._reward_metrics(first_scored))
+    metrics['reward/length_corr'] = reward_norm.length_correlation(rewards_np, lengths)
+    metrics['response_length/mean'] = float(lengths.mean())
+    metrics['response_length/max'] = float(lengths.max())
+    metrics['response_length/clip_ratio'] = float(
       np.mean([c.finish_reason == 'length' for c in completions])
     )
-    m['groups/zero_variance_frac'] = zero_var_groups / drawn_groups
-    m['groups/drawn'] = float(drawn_groups)
-    m['time/generate'] = t_gen
-    m['time/reward'] = t_reward
-    m['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
-    return Rollout(batch, old_logp, rewards_np, version, m)
+    metrics['groups/zero_variance_frac'] = zero_var_groups / drawn_groups
+    metrics['groups/drawn'] = float(drawn_groups)
+    metrics['time/generate'] = t_gen
+    metrics['time/reward'] = t_reward
+    metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    return Rollout(batch, old_logp, rewards_np, version, metrics)

@@ -2,7 +2,7 @@
 tokenizer and prompt encoder, the task's examples and streams, the model,
 the optimisers, the checkpointer, the metrics writer and the tracer.
 
-`resources(config, mesh)` calls them in order and returns a `Resources`
+`build_resources(config, mesh)` calls them in order and returns a `Resources`
 record; an algorithm's `build(config)` starts from it and adds only what
 that algorithm needs (a rollout worker and a topology for the online ones).
 The checkpointer and the writer are made by the controller when the run
@@ -46,7 +46,7 @@ class Model(NamedTuple):
 
 
 class Resources(NamedTuple):
-  """What every algorithm's run is built on (see `resources`)."""
+  """What every algorithm's run is built on (see `build_resources`)."""
 
   config: Any  # the whole (locked) ml_collections config
   workdir: str  # absolute; checkpoints, metrics.jsonl, trace.json live here
@@ -114,11 +114,11 @@ def _with_code_tests(check, reward_config):
   names the field; the readers add the file and line)."""
   from jrl.rewards.code import Settings, formats
 
-  cfg = Settings.of(reward_config)
+  code_settings = Settings.of(reward_config)
 
   def both(item):
     check(item)
-    formats.parse(item, cfg.format, cfg.asserts)
+    formats.parse(item, code_settings.format, code_settings.asserts)
 
   return both
 
@@ -174,11 +174,13 @@ def build_model(config, tok, mesh):
   adapters (A random, B zero) are attached to the base, which is the same as
   without them: the params then hold `lora_a` / `lora_b` next to each
   targeted kernel, and the Model's config and graphdef are the adapted ones."""
-  m = config.model
+  model_section = config.model
   model, params = _base_model(config, tok, mesh)
-  if m.lora.rank:
+  if model_section.lora.rank:
     lora_config = models.LoraConfig(
-      rank=int(m.lora.rank), alpha=float(m.lora.alpha), targets=tuple(m.lora.targets)
+      rank=int(model_section.lora.rank),
+      alpha=float(model_section.lora.alpha),
+      targets=tuple(model_section.lora.targets),
     )
     key = jax.random.PRNGKey(seed(config.seed, 'lora'))
     model_config, graphdef, params = lora_lib.attach(
@@ -190,13 +192,21 @@ def build_model(config, tok, mesh):
 
 def _base_model(config, tok, mesh):
   """`build_model` without adapters."""
-  m = config.model
+  model_section = config.model
   # 'auto' remat: the model runs without; the update's plan picks its own (memory_plan).
-  remat = 'none' if m.remat == 'auto' else m.remat
-  memory = {'remat': remat, 'scan_layers': m.scan_layers, 'attention_impl': m.attention}
-  if m.path:
+  remat = 'none' if model_section.remat == 'auto' else model_section.remat
+  memory = {
+    'remat': remat,
+    'scan_layers': model_section.scan_layers,
+    'attention_impl': model_section.attention,
+  }
+  if model_section.path:
     ck = hf_lib.load(
-      m.path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, **memory
+      model_section.path,
+      mesh=mesh,
+      param_dtype=model_section.param_dtype,
+      compute_dtype=model_section.compute_dtype,
+      **memory,
     )
     if ck.config.vocab_size < tok.vocab_size:
       raise ValueError(
@@ -206,16 +216,16 @@ def _base_model(config, tok, mesh):
     return Model(ck.config, ck.graphdef, ck.hf_config), ck.params
   model_config = models.ModelConfig(
     vocab_size=tok.vocab_size,
-    width=m.width,
-    mlp_width=m.mlp_width,
-    num_layers=m.num_layers,
-    num_heads=m.num_heads,
-    num_kv_heads=m.num_kv_heads,
-    head_dim=m.head_dim,
-    tie_embeddings=m.tie_embeddings,
-    init_std=m.init_std,
-    param_dtype=m.param_dtype,
-    compute_dtype=m.compute_dtype,
+    width=model_section.width,
+    mlp_width=model_section.mlp_width,
+    num_layers=model_section.num_layers,
+    num_heads=model_section.num_heads,
+    num_kv_heads=model_section.num_kv_heads,
+    head_dim=model_section.head_dim,
+    tie_embeddings=model_section.tie_embeddings,
+    init_std=model_section.init_std,
+    param_dtype=model_section.param_dtype,
+    compute_dtype=model_section.compute_dtype,
     **memory,
   )
   graphdef, params = models.create_sharded(model_config, jax.random.PRNGKey(config.seed), mesh)
@@ -386,24 +396,24 @@ def write_config(config, workdir, argv=None):
   return changes
 
 
-def write_trace(res):
+def write_trace(resources):
   """workdir/trace.json (process 0), for ui.perfetto.dev or chrome://tracing."""
-  if res.is_main:
-    mc = res.model.config
+  if resources.is_main:
+    mc = resources.model.config
     model = {
       f.name: getattr(mc, f.name)
       for f in dataclasses.fields(mc)
       if f.name not in ('rope_scaling', 'lora')
     }
     model['lora'] = None if mc.lora is None else dataclasses.asdict(mc.lora)
-    other = {'config': json.loads(res.config.to_json_best_effort()), 'model': model}
-    res.tracer.write(os.path.join(res.workdir, 'trace.json'), other)
+    other = {'config': json.loads(resources.config.to_json_best_effort()), 'model': model}
+    resources.tracer.write(os.path.join(resources.workdir, 'trace.json'), other)
 
 
 ADAPTER_DIR = 'adapter'  # export subdirectory of a LoRA run's PEFT adapters
 
 
-def export(res, params, path):
+def export(resources, params, path):
   """Writes the policy as a Hugging Face checkpoint directory.
 
   With LoRA, `path` holds the merged weights (W + (α / r) A B: a plain model
@@ -413,16 +423,16 @@ def export(res, params, path):
   """
   hf_lib.save(
     path,
-    res.model.config,
+    resources.model.config,
     params,
-    hf_config=res.model.hf_config,
-    source_dir=res.config.model.path or None,
+    hf_config=resources.model.hf_config,
+    source_dir=resources.config.model.path or None,
   )
-  if res.model.config.lora is not None:
-    base = res.config.model.path
+  if resources.model.config.lora is not None:
+    base = resources.config.model.path
     lora_lib.save_adapters(
       os.path.join(path, ADAPTER_DIR),
-      res.model.config,
+      resources.model.config,
       params,
       base_model_name_or_path=os.path.abspath(base) if base else None,
     )
@@ -431,7 +441,7 @@ def export(res, params, path):
 # All of it ----------------------------------------------------------------------
 
 
-def resources(config, mesh):
+def build_resources(config, mesh):
   """Workdir, tokenizer, encoder, checked examples and streams, and the model,
   in this order (the first error a config can cause is the one
   raised)."""
@@ -464,7 +474,7 @@ def resources(config, mesh):
 def start(config, sections, rollout_devices=0):
   """(Resources, rollout mesh): the meshes, the config checks that need only
   the devices (`checks.validate` of the shared sections and the algorithm's
-  `sections`), then `resources`."""
+  `sections`), then `build_resources`."""
   mesh, rollout_mesh = meshes(config, rollout_devices)
   checks.validate(config, batch_shards(mesh), sections)
-  return resources(config, mesh), rollout_mesh
+  return build_resources(config, mesh), rollout_mesh

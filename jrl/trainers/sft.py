@@ -26,11 +26,11 @@ def sft_loss(params, graphdef, batch, chunk_size=1024):
   logp, _ = common.token_logprobs(
     graphdef, params, batch.tokens, batch.mask, batch.packed, chunk_size=chunk_size
   )
-  m_all = batch.loss_mask
-  _, m = common.held_mask(m_all, batch.packed)
+  loss_mask = batch.loss_mask
+  _, own_mask = common.held_mask(loss_mask, batch.packed)
   # logp is 0 off the sequences held: their terms are 0.
-  loss = -L.token_mean(logp, m_all)
-  share = jnp.sum(m) / jnp.maximum(jnp.sum(m_all), 1)
+  loss = -L.token_mean(logp, loss_mask)
+  share = jnp.sum(own_mask) / jnp.maximum(jnp.sum(loss_mask), 1)
   return loss, {'sft/nll': jax.lax.stop_gradient(loss), TOKEN_SHARE: share}
 
 
@@ -66,16 +66,16 @@ def train_step(state, batch, *, graphdef, tx, schedule, chunk_size=1024, accum=1
 # The SFT phase -------------------------------------------------------------------
 
 
-def response_batch(res, examples, iteration):
+def response_batch(resources, examples, iteration):
   """Rows of prompt + response (or answer) + eos; the loss covers the response."""
   del iteration
-  eos = list(res.stop_tokens[:1])
-  prompts = [res.encoder.prompt_ids(ex['prompt']) for ex in examples]
+  eos = list(resources.stop_tokens[:1])
+  prompts = [resources.encoder.prompt_ids(ex['prompt']) for ex in examples]
   responses = [
-    res.tokenizer.encode(str(ex['response'] if 'response' in ex else ex['answer'])) + eos
+    resources.tokenizer.encode(str(ex['response'] if 'response' in ex else ex['answer'])) + eos
     for ex in examples
   ]
-  return common.pack_sequences(prompts, responses, res.seq_len, res.tokenizer.pad_id)
+  return common.pack_sequences(prompts, responses, resources.seq_len, resources.tokenizer.pad_id)
 
 
 class Warmup(NamedTuple):
@@ -83,15 +83,15 @@ class Warmup(NamedTuple):
   iterate: Any  # (state, iteration) -> (state, metrics)
 
 
-def warmup(res, state, make_batch=response_batch):
+def warmup(resources, state, make_batch=response_batch):
   """The SFT iteration: `sft.batch_size` examples of the SFT stream, packed by
-  `make_batch(res, examples, iteration)`, one update with the SFT optimiser."""
-  config = res.config
+  `make_batch(resources, examples, iteration)`, one update with the SFT optimiser."""
+  config = resources.config
   tx, schedule = setup.sft_optimizer(config)
-  packer = common.make_packer(config.train, res.seq_len, res.batch_sharding)
-  model = dict(graphdef=res.model.graphdef, chunk_size=config.train.chunk_size)
+  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+  model = dict(graphdef=resources.model.graphdef, chunk_size=config.train.chunk_size)
   optim = dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum))
-  shardings = setup.step_shardings(state, res.mesh)
+  shardings = setup.step_shardings(state, resources.mesh)
   step = common.jit_update(
     (train_step, loss_and_grads, apply_update),
     model,
@@ -101,21 +101,21 @@ def warmup(res, state, make_batch=response_batch):
     ADDITIVE_METRICS,
     TOKEN_SHARE,
   )
-  step = parallel.on_mesh(res.mesh, step)  # attention kernels per shard
+  step = parallel.on_mesh(resources.mesh, step)  # attention kernels per shard
   size = config.sft.batch_size
-  rows = distributed.local_rows(res.batch_sharding, size)
-  stream = res.streams['sft_stream']
+  rows = distributed.local_rows(resources.batch_sharding, size)
+  stream = resources.streams['sft_stream']
 
   def iterate(state, iteration):
-    batch = make_batch(res, stream.next(size, rows), iteration)
+    batch = make_batch(resources, stream.next(size, rows), iteration)
     start = time.perf_counter()
-    with res.tracer.span('sft_update', iteration=iteration):
-      placed = common.place_rows(batch, res.batch_sharding, size)
-      state, m = step(state, common.with_packed(placed, packer))
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
-    m['time/update'] = time.perf_counter() - start
-    m['phase'] = 0.0
-    return state, m
+    with resources.tracer.span('sft_update', iteration=iteration):
+      placed = common.place_rows(batch, resources.batch_sharding, size)
+      state, metrics = step(state, common.with_packed(placed, packer))
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics['time/update'] = time.perf_counter() - start
+    metrics['phase'] = 0.0
+    return state, metrics
 
   return Warmup(step, iterate)
 
@@ -146,12 +146,12 @@ SECTIONS = (SECTION, engines.SAMPLER)
 
 def build(config):
   """The job of `algorithm='sft'`: `sft.steps` iterations, nothing else."""
-  res, _ = setup.start(config, SECTIONS)
+  resources, _ = setup.start(config, SECTIONS)
   tx, _ = setup.sft_optimizer(config)
-  state = setup.new_state(res.params, tx, res.mesh)
-  phase = warmup(res, state)
-  evaluate, close = held_out.held_out_evaluator(res)
-  return controller.Job(res, state, phase.iterate, evaluate, close=close, steps=phase)
+  state = setup.new_state(resources.params, tx, resources.mesh)
+  phase = warmup(resources, state)
+  evaluate, close = held_out.held_out_evaluator(resources)
+  return controller.Job(resources, state, phase.iterate, evaluate, close=close, steps=phase)
 
 
 ALGORITHM = checks.register(checks.Algorithm('sft', build, SECTIONS))

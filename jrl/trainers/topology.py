@@ -266,17 +266,21 @@ SECTION = checks.Section(
 )
 
 
-def make(config, worker, res, rollout_mesh, total):
-  """The topology of `topology.kind` around `worker` (res: setup.Resources)."""
-  shardings = _rollout_shardings(res.mesh, rollout_mesh, res.model.config, res.params)
+def make(config, worker, resources, rollout_mesh, total):
+  """The topology of `topology.kind` around `worker` (resources: setup.Resources)."""
+  shardings = _rollout_shardings(
+    resources.mesh, rollout_mesh, resources.model.config, resources.params
+  )
   decode = None
   if shardings is None:  # colocated: the decode layout, where it helps and fits
     mode = config.sampler.decode_weights
-    decode = decode_shardings(mode, res.mesh, res.model.config, res.params)
+    decode = decode_shardings(mode, resources.mesh, resources.model.config, resources.params)
   kind = config.topology.kind
   if kind == 'one_step_off':
     staleness = config.topology.staleness
-    return OneStepOff(worker, res.tracer, shardings or decode, res.streams, total, staleness)
+    return OneStepOff(
+      worker, resources.tracer, shardings or decode, resources.streams, total, staleness
+    )
   if shardings is not None:
-    return Disaggregated(worker, res.tracer, shardings)
-  return Colocated(worker, res.tracer, decode)
+    return Disaggregated(worker, resources.tracer, shardings)
+  return Colocated(worker, resources.tracer, decode)

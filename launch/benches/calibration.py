@@ -50,7 +50,7 @@ def run(args):
     rl.minibatch_size = min(rl.minibatch_size, rl.prompts_per_step * rl.group_size)
     config.sampler.num_slots = max(config.sampler.num_slots, rl.group_size)
     job = trainers.build(config)
-    tracer = job.res.tracer
+    tracer = job.resources.tracer
     state, records, t_warm = job.state, [], None
     for i in range(args.steps):
       if i == args.warmup:
@@ -67,7 +67,8 @@ def run(args):
       group_size=rl.group_size,
       prompt_len=round(
         statistics.mean(
-          len(job.res.encoder.prompt_ids(ex['prompt'])) for ex in job.res.task.held_out[:50]
+          len(job.resources.encoder.prompt_ids(ex['prompt']))
+          for ex in job.resources.task.held_out[:50]
         )
       ),
       max_prompt_len=config.task.max_prompt_len,
@@ -94,7 +95,7 @@ def run(args):
       'update': med('time/update'),
       'step': med('time/step'),
     }
-    return job.res.model.config, workload, layout, trace, measured
+    return job.resources.model.config, workload, layout, trace, measured
 
   model, workload, layout, trace, measured = measure({})
   coeffs = costmodel.calibrate(trace, workload)

@@ -74,7 +74,7 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   job = trainers.build(config)
   plan = job.memory_plan
   describe(job)
-  mc, seq_len = job.res.model.config, job.res.seq_len
+  mc, seq_len = job.resources.model.config, job.resources.seq_len
   if mc.lora is not None:
     n_train = sum(x.size for x in jax.tree.leaves(lora.split(job.state.params)[0]))
   else:
@@ -176,7 +176,7 @@ def run(args):
   common.set_fields(config, _kl_override(args))
 
   def describe(job):
-    mc, seq_len = job.res.model.config, job.res.seq_len
+    mc, seq_len = job.resources.model.config, job.resources.seq_len
     rows = config.rl.prompts_per_step * config.rl.group_size
     print(
       f'grpo step ({args.setup}): {mc.num_params() / 1e6:.1f}M params, {rows} rows of '
@@ -239,7 +239,7 @@ def run_real(args):
       common.set_fields(config, assignments)
 
       def describe(job, config=config):
-        mc, seq_len = job.res.model.config, job.res.seq_len
+        mc, seq_len = job.resources.model.config, job.resources.seq_len
         rl, train = config.rl, config.train
         layout = 'shared prompt' if train.shared_prompt else 'packed' if train.packing else 'padded'
         print(
@@ -248,7 +248,7 @@ def run_real(args):
           f'{rl.prompts_per_step * rl.group_size} rows of at most {seq_len} tokens (prompt <= '
           f'{config.task.max_prompt_len}, new <= {config.task.max_response_len}, at least '
           f'{config.sampling.min_new_tokens}), minibatches of {rl.minibatch_size}, '
-          f'{len(job.res.task.train)} training prompts',
+          f'{len(job.resources.task.train)} training prompts',
           flush=True,
         )
 

@@ -57,13 +57,13 @@ def test_sft_imitates_the_teacher_while_evaluation_checks_the_answer(tmp_path):
   examples = streams['sft_stream'].next(32)
   slipped = [ex for ex in examples if ex['response'] != ex['answer']]
   assert slipped and all(_units_carry(ex['prompt']) for ex in slipped)
-  res = types.SimpleNamespace(
+  resources = types.SimpleNamespace(
     encoder=enc,
     tokenizer=tok,
     stop_tokens=tuple(tok.eos_ids),
     seq_len=config.task.max_prompt_len + config.task.max_response_len,
   )
-  batch = sft.response_batch(res, slipped[:1], 0)
+  batch = sft.response_batch(resources, slipped[:1], 0)
   target = np.asarray(batch.tokens[0])[np.asarray(batch.loss_mask[0])]
   assert tok.decode([int(t) for t in target], skip_special_tokens=True) == slipped[0]['response']
   # The reward reads the true answer: the teacher's slip scores 0, the answer 1.

@@ -541,7 +541,7 @@ def test_grpo_step_on_generated_gsm_jsonl(tmp_path):
 
   job = trainers.build(config)
   controller.train(job)
-  task = job.res.task
+  task = job.resources.task
   assert task.filtered['train'] == too_long
   assert len(task.train) == len(rows) - too_long
   assert all(length(ex['prompt']) <= 160 for ex in task.train)

@@ -555,7 +555,7 @@ def test_grpo_step_sharded_equals_single_device(loaded, name):
   batch = _policy_batch(ckpt.config.vocab_size)
   step = jax.jit(
     functools.partial(
-      policy_step.train_step, graphdef=ckpt.graphdef, tx=tx, schedule=schedule, cfg=cfg
+      policy_step.train_step, graphdef=ckpt.graphdef, tx=tx, schedule=schedule, policy_config=cfg
     )
   )
   single_state, single = step(common.init_state(ckpt.params, tx), batch)

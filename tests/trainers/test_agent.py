@@ -94,7 +94,7 @@ def test_trainer_sees_exactly_the_sampled_and_environment_tokens(agent_run):
   job, recorder, _ = agent_run
   assert recorder.env_answers, 'no tool was called: the test would be vacuous'
   answers = {tuple(turn): env for turn, env in recorder.env_answers}
-  tok = job.res.tokenizer
+  tok = job.resources.tokenizer
   checked = 0
   for sampled in recorder.batches:
     tokens = np.asarray(sampled.batch.tokens)

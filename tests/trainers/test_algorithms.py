@@ -643,10 +643,10 @@ def test_grpo_qwen_export_loads_in_transformers_with_the_same_logits(qwen_run):
     export, dtype=torch.float32, attn_implementation='eager'
   ).eval()
   texts = [
-    job.res.encoder.prompt_text('What is 2+3?') + 'It is 5.',
-    job.res.encoder.prompt_text('What is 12+9?'),
+    job.resources.encoder.prompt_text('What is 2+3?') + 'It is 5.',
+    job.resources.encoder.prompt_text('What is 12+9?'),
   ]
-  ids = [job.res.tokenizer.encode(t) for t in texts]
+  ids = [job.resources.tokenizer.encode(t) for t in texts]
   length = max(map(len, ids))
   tokens = np.zeros((len(ids), length), np.int32)
   mask = np.zeros((len(ids), length), np.int32)
@@ -658,7 +658,9 @@ def test_grpo_qwen_export_loads_in_transformers_with_the_same_logits(qwen_run):
       attention_mask=torch.as_tensor(mask, dtype=torch.long),
     ).logits.numpy()
   got = np.asarray(
-    models.logits(job.res.model.graphdef, state.params, jnp.asarray(tokens), jnp.asarray(mask))
+    models.logits(
+      job.resources.model.graphdef, state.params, jnp.asarray(tokens), jnp.asarray(mask)
+    )
   )
   real = mask.astype(bool)
   np.testing.assert_allclose(got[real], expected[real], rtol=1e-4, atol=1e-4)

@@ -561,7 +561,7 @@ def test_train_step_does_not_materialise_full_logits():
   def temp_bytes(t, chunk_size):
     cfg = policy_step.PolicyLossConfig(chunk_size=chunk_size, kl_coef=0.1, entropy_coef=0.01)
     step = functools.partial(
-      policy_step.train_step, graphdef=graphdef, tx=tx, schedule=schedule, cfg=cfg
+      policy_step.train_step, graphdef=graphdef, tx=tx, schedule=schedule, policy_config=cfg
     )
     f32 = jax.ShapeDtypeStruct((rows, t), jnp.float32)
     flags = jax.ShapeDtypeStruct((rows, t), jnp.bool_)
@@ -700,7 +700,7 @@ def test_advantages_per_token_and_zero_outside_the_loss_mask(estimator):
   loss_mask = batch.loss_mask
   cfg = policy_step.AdvantageConfig(estimator=estimator)
   adv = np.asarray(
-    jax.jit(functools.partial(policy_step.advantages, group_size=G, cfg=cfg))(
+    jax.jit(functools.partial(policy_step.advantages, group_size=G, adv_config=cfg))(
       jnp.asarray(REWARDS, jnp.float32), jnp.asarray(loss_mask)
     )
   )

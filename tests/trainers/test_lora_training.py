@@ -84,7 +84,7 @@ def lora_run(tmp_path_factory):
 
 def test_lora_run_trains_the_adapters_and_leaves_the_base_bitwise(lora_run):
   config, workdir, job, initial, state = lora_run
-  mc = job.res.model.config
+  mc = job.resources.model.config
   assert mc.lora == models.LoraConfig(4, 16.0, ('q_proj', 'k_proj', 'v_proj', 'o_proj'))
   final = host(state.params)
   assert final.keys() == initial.keys()
@@ -136,7 +136,7 @@ def test_lora_run_resumes_from_its_checkpoint_with_the_adapters(lora_run, tmp_pa
 
 def test_lora_export_writes_the_merged_weights_and_the_peft_adapters(lora_run):
   _, workdir, job, _, state = lora_run
-  mc = job.res.model.config
+  mc = job.resources.model.config
   out = os.path.join(str(workdir), 'hf_export')
   with open(os.path.join(out, 'config.json'), encoding='utf-8') as f:
     hf_config = json.load(f)
@@ -218,23 +218,23 @@ def first_steps(workdir, overrides):
     state, sft_m = job.iterate(job.state, 0)
     state = job.start_rl(state)
     _, steps = job.steps
-    res, rows = job.res, config.rl.minibatch_size
+    resources, rows = job.resources, config.rl.minibatch_size
     rng = np.random.default_rng(0)
-    tokens = rng.integers(1, res.tokenizer.vocab_size, (rows, res.seq_len), np.int32)
-    mask = np.arange(res.seq_len)[None] < rng.integers(8, res.seq_len, (rows, 1))
-    loss_mask = mask & (np.arange(res.seq_len)[None] >= 4)
-    batch = common.place(common.SequenceBatch(tokens, mask, loss_mask), res.batch_sharding)
+    tokens = rng.integers(1, resources.tokenizer.vocab_size, (rows, resources.seq_len), np.int32)
+    mask = np.arange(resources.seq_len)[None] < rng.integers(8, resources.seq_len, (rows, 1))
+    loss_mask = mask & (np.arange(resources.seq_len)[None] >= 4)
+    batch = common.place(common.SequenceBatch(tokens, mask, loss_mask), resources.batch_sharding)
     old_logp = steps.logprobs(state.params, batch.tokens, batch.mask)
     advantages = jax.device_put(
       np.where(loss_mask, rng.standard_normal((rows, 1)), 0).astype(np.float32),
-      res.batch_sharding,
+      resources.batch_sharding,
     )
     full = policy_step.PolicyBatch(
       batch.tokens, batch.mask, batch.loss_mask, old_logp, jnp.zeros_like(old_logp), advantages
     )
     state, rl_m = steps.rl(state, full)
     rl_m = {k: float(v) for k, v in jax.device_get(rl_m).items()}
-    return job.res.model.config, sft_m, rl_m, host(state.params)
+    return job.resources.model.config, sft_m, rl_m, host(state.params)
   finally:
     controller.close(job)
 

@@ -102,16 +102,16 @@ def test_a_short_limit_gives_micro_batches_then_remat_as_measured(tmp_path):
   measured = {(r, b): n for r, b, n in job.memory_plan.measured}
   assert 'nothing fits' in job.memory_plan.reason
   whole = measured['none', 0]
-  assert measured['none', job.res.seq_len] < whole  # one row per micro-batch: less memory
+  assert measured['none', job.resources.seq_len] < whole  # one row per micro-batch: less memory
   # A limit just under the whole minibatch without remat: the first
   # candidate that the measurements say fits.
   limit = whole - 1
   config, job = _job(tmp_path, 'short', **{'train.memory_limit_gib': limit / 2**30})
   plan = job.memory_plan
   first_fit = next((r, b) for r, b, n in job.memory_plan.measured if n <= plan.limit)
-  assert (plan.remat, plan.budget) == first_fit == ('none', job.res.seq_len)
+  assert (plan.remat, plan.budget) == first_fit == ('none', job.resources.seq_len)
   assert plan.need <= plan.limit <= limit
-  assert plan.budget == 0 or plan.budget < config.rl.minibatch_size * job.res.seq_len
+  assert plan.budget == 0 or plan.budget < config.rl.minibatch_size * job.resources.seq_len
   _, steps = job.steps
   rl_step = getattr(steps.rl, 'fn', steps.rl)
   assert isinstance(rl_step, trainers.common.MicroBatchedStep) == (plan.budget > 0)

@@ -230,6 +230,6 @@ def test_judge_path_adds_a_judge_reward_function(pipeline, tmp_path):
     },
   )
   job = trainers.build(config)
-  fns = rollout.inline_reward_fns(config.reward, job.res.tokenizer, job.res.mesh)
+  fns = rollout.inline_reward_fns(config.reward, job.resources.tokenizer, job.resources.mesh)
   assert set(fns) == {'judge'} and callable(fns['judge'])
   controller.close(job)

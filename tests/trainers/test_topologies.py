@@ -155,7 +155,7 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
   )
   job = trainers.build(config)
   assert isinstance(job.topology, topology.Disaggregated)
-  train_devices = set(job.res.mesh.devices.flat)
+  train_devices = set(job.resources.mesh.devices.flat)
   rollout_devices = set(job.topology.worker.engine.mesh.devices.flat)
   assert len(train_devices) == len(rollout_devices) == 4
   assert not train_devices & rollout_devices

@@ -33,9 +33,9 @@ def test_grpo_trains_on_a_data_source_and_an_engine_given_by_import_path(tmp_pat
   assert isinstance(engine, contracts.Engine)
   train, held_out = user_code.make_rows(config.task)
   # Rows as a prompt file's: answers become strings, other fields are kept.
-  assert job.res.task.train == [{**row, 'answer': str(row['answer'])} for row in train]
-  assert len(job.res.task.held_out) == config.task.eval_size == len(held_out)
-  drawn = job.res.streams['rl_stream'].next(4)
+  assert job.resources.task.train == [{**row, 'answer': str(row['answer'])} for row in train]
+  assert len(job.resources.task.held_out) == config.task.eval_size == len(held_out)
+  drawn = job.resources.streams['rl_stream'].next(4)
   assert all(row['source'] == 'sums' for row in drawn)
   controller.train(job)
   assert [r['step'] for r in records(tmp_path) if r.get('phase') == 1.0] == [1, 2]

@@ -174,7 +174,7 @@ class HeldOut:
       self._scorer = None
 
 
-def held_out_evaluator(res):
+def held_out_evaluator(resources):
   """`evaluate(state)` for the algorithms without a rollout worker: held-out
   accuracy with a greedy sampler of its own, built at the first evaluation
   (never, with `eval.every` = 0 or no held-out examples); returns (evaluate,
@@ -185,30 +185,36 @@ def held_out_evaluator(res):
   layout = []
 
   def evaluate(state):
-    if not res.task.held_out:
+    if not resources.task.held_out:
       return {}
     if not held_out:
-      mode = res.config.sampler.decode_weights
-      layout.append(topology.decode_shardings(mode, res.mesh, res.model.config, state.params))
-      engine = engines.build_engine(
-        res.config, res.model, res.mesh, res.stop_tokens, engines.eval_group_sizes(res.config)
+      mode = resources.config.sampler.decode_weights
+      layout.append(
+        topology.decode_shardings(mode, resources.mesh, resources.model.config, state.params)
       )
-      engine.tracer = res.tracer
+      engine = engines.build_engine(
+        resources.config,
+        resources.model,
+        resources.mesh,
+        resources.stop_tokens,
+        engines.eval_group_sizes(resources.config),
+      )
+      engine.tracer = resources.tracer
       held_out.append(
         HeldOut(
-          res.config,
-          res.encoder,
-          res.tokenizer,
-          res.stop_tokens,
-          res.task.held_out,
+          resources.config,
+          resources.encoder,
+          resources.tokenizer,
+          resources.stop_tokens,
+          resources.task.held_out,
           engine,
           threading.Lock(),
-          res.tracer,
+          resources.tracer,
         )
       )
     params = state.params
     if layout[0] is not None:
-      with res.tracer.span('reshard'):
+      with resources.tracer.span('reshard'):
         params = jax.block_until_ready(jax.device_put(params, layout[0]))
     return held_out[0].evaluate(params, step=int(state.step))
 
