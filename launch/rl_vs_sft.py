@@ -23,8 +23,9 @@ iteration time, both measured in the first seed's runs, rounded up; or
 Each run's last checkpoint is scored by `launch/eval.py` (greedy, on the
 task's held-out problems). Prints the accuracy of each run, each arm's mean
 and standard error over seeds, and RL's gain over each SFT arm with its
-standard error (unpaired: sqrt(se_rl^2 + se_sft^2)) and their ratio; writes
-them as JSON to `--out`. `--config.*` flags are passed to every run.
+standard error and their ratio, unpaired (sqrt(se_rl^2 + se_sft^2)) and
+paired by seed (the SE of the per-seed differences, `gain`); writes them
+as JSON to `--out`. `--config.*` flags are passed to every run.
 """
 
 import argparse
@@ -81,6 +82,26 @@ def mean_se(values):
   mean = statistics.fmean(values)
   se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float('nan')
   return mean, se
+
+
+def gain(rl, sft):
+  """RL's gain over an SFT arm from {seed: accuracy} of each: unpaired (the
+  difference of the means, SE sqrt(se_rl^2 + se_sft^2)) and paired (the mean
+  of the per-seed differences and its SE: the arms of a seed resume the same
+  warm-up, so a seed whose warm-up learned less lowers both)."""
+  mean_rl, se_rl = mean_se(list(rl.values()))
+  mean_sft, se_sft = mean_se(list(sft.values()))
+  se = math.sqrt(se_rl**2 + se_sft**2)
+  paired, paired_se = mean_se([rl[seed] - sft[seed] for seed in rl])
+  ratio = lambda g, e: g / e if e > 0 else None  # None: one seed (se NaN) or no spread
+  return {
+    'gain': mean_rl - mean_sft,
+    'se': se,
+    'ratio': ratio(mean_rl - mean_sft, se),
+    'paired_gain': paired,
+    'paired_se': paired_se,
+    'paired_ratio': ratio(paired, paired_se),
+  }
 
 
 def main(argv=None):
@@ -150,10 +171,7 @@ def main(argv=None):
     'wall_s': time.time() - start,
   }
   for arm in arms[1:]:
-    gain = stats['rl']['mean'] - stats[arm]['mean']
-    se = math.sqrt(stats['rl']['se'] ** 2 + stats[arm]['se'] ** 2)
-    ratio = gain / se if se > 0 else None  # None: one seed (se NaN) or no spread
-    result[f'gain_over_{arm}'] = {'gain': gain, 'se': se, 'ratio': ratio}
+    result[f'gain_over_{arm}'] = gain(runs['rl'], runs[arm])
   line = ', '.join(f'{arm} {stats[arm]["mean"]:.3f} ± {stats[arm]["se"]:.3f}' for arm in arms)
   print(
     f'held-out accuracy over seeds {seeds} (SFT {sft_steps}, then RL {timing[2]} or SFT {extra}):'
@@ -161,8 +179,11 @@ def main(argv=None):
   print(f'  {line}')
   for arm in arms[1:]:
     g = result[f'gain_over_{arm}']
-    ratio = 'n/a' if g['ratio'] is None else f'{g["ratio"]:.1f}'
-    print(f'  RL over {arm}: {g["gain"]:+.3f} ± {g["se"]:.3f} ({ratio} SE)')
+    ratio, paired = ('n/a' if r is None else f'{r:.1f}' for r in (g['ratio'], g['paired_ratio']))
+    print(
+      f'  RL over {arm}: {g["gain"]:+.3f} ± {g["se"]:.3f} ({ratio} SE); paired by seed: '
+      f'{g["paired_gain"]:+.3f} ± {g["paired_se"]:.3f} ({paired} SE)'
+    )
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w', encoding='utf-8') as f:

@@ -15,6 +15,19 @@ def test_mean_and_standard_error():
   assert se == pytest.approx(0.1 / math.sqrt(3))
 
 
+def test_gain_unpaired_and_paired_by_seed():
+  rl, sft = {0: 0.9, 1: 0.3, 2: 0.8}, {0: 0.4, 1: 0.1, 2: 0.4}
+  g = rl_vs_sft.gain(rl, sft)
+  assert g['gain'] == pytest.approx(2 / 3 - 0.3)
+  se_rl, se_sft = rl_vs_sft.mean_se(list(rl.values()))[1], rl_vs_sft.mean_se([0.4, 0.1, 0.4])[1]
+  assert g['se'] == pytest.approx(math.sqrt(se_rl**2 + se_sft**2))
+  # Per-seed differences 0.5, 0.2, 0.4: the seed-to-seed spread of both arms cancels.
+  assert g['paired_gain'] == pytest.approx(1.1 / 3)
+  assert g['paired_se'] == pytest.approx(rl_vs_sft.mean_se([0.5, 0.2, 0.4])[1])
+  assert g['paired_ratio'] > g['ratio']
+  assert rl_vs_sft.gain({0: 0.5}, {0: 0.2})['ratio'] is None  # one seed: no SE
+
+
 def test_phase_times_are_medians_of_each_phase(tmp_path):
   rows = [
     {'step': 0, 'phase': 0.0, 'eval/accuracy': 0.0},
