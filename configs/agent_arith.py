@@ -15,7 +15,7 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = common.derive(grpo_arith.get_config(), 'agent')
+  c = common.derive(grpo_arith.arith_job(), 'agent')
   c.workdir = 'runs/agent_arith'
   c.task.kind = 'arith_tool'
   c.task.eval_size = 200

@@ -128,6 +128,9 @@ def task_section():
   # arith: the worked answers SFT imitates drop an addition's units carry with this
   # probability (an imperfect teacher; rewards and evaluation check the true answer)
   s.carry_slip = 0.0
+  # arith: a sum with a new digit (47+85=132) is only estimated, rounded down to tens
+  # (130), with this probability (an imperfect teacher)
+  s.rounding_slip = 0.0
   s.train_seed = 0  # arith: seed of the training problems
   s.eval_seed = 1  # arith: seed of the held-out problems
   s.eval_size = 200  # held-out examples
@@ -464,7 +467,7 @@ def base(algorithm='grpo'):
 def derive(config, algorithm):
   """An unlocked config of `algorithm` with `config`'s run fields and every
   section both algorithms have (copied), the others at their defaults:
-  `derive(grpo_arith.get_config(), 'dpo')` is DPO on the default job's
+  `derive(grpo_arith.arith_job(), 'dpo')` is DPO on the default job's
   model and task, without its rollout sections."""
   c = base(algorithm)
   for key, value in config.items():

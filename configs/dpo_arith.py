@@ -12,7 +12,7 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = common.derive(grpo_arith.get_config(), 'dpo')  # its model, task and SFT warm-up
+  c = common.derive(grpo_arith.arith_job(), 'dpo')  # its model, task and SFT warm-up
   c.workdir = 'runs/dpo_arith'
   c.dpo.beta = 0.1
   c.dpo.pairs_per_step = 32

@@ -3,17 +3,27 @@
     python launch/train.py --config configs/grpo_arith.py
 
 The character tokenizer, a fresh 4-layer model, problems generated on the
-fly ("47+85=" -> "132"). An SFT warm-up of 450 steps teaches the format and
-gets part of the way; 100 GRPO steps (G = 8, exact-match reward) then raise
-held-out accuracy, measured with greedy decoding every `eval.every`
-iterations (`eval/accuracy` in runs/grpo_arith/metrics.jsonl, on the
-console, and in curves.png). A few minutes on a 2-core CPU.
+fly ("47+85=" -> "132"). The worked answers of the SFT warm-up come from
+an imperfect teacher: for a sum with a new digit (three digits here) it
+gives, 60% of the time, only an estimate rounded down to tens ("130",
+`task.rounding_slip`). 900 SFT steps learn the teacher's addition,
+estimates included, so greedy answers to most of those problems end in 0
+however long SFT runs; 100 GRPO steps (G = 8, an exact-match reward on the
+true answer) then raise held-out accuracy well beyond SFT's (README,
+"RL against SFT alone at equal compute"). Held-out accuracy is measured
+with greedy decoding every `eval.every` iterations (`eval/accuracy` in
+runs/grpo_arith/metrics.jsonl, on the console, and in curves.png). About
+five minutes on a 2-core CPU. `--config.task.rounding_slip=0` gives a
+perfect teacher.
 """
 
 from configs import common
 
 
-def get_config(arg=None):
+def arith_job():
+  """The unlocked GRPO config the arithmetic jobs share (configs/ppo_arith.py,
+  dpo_arith.py, agent_arith.py, rlhf_*.py): the model, the task with a
+  perfect teacher, a 450-step SFT warm-up, the GRPO phase."""
   c = common.base('grpo')
   c.workdir = 'runs/grpo_arith'
   c.model.width = 256
@@ -38,5 +48,12 @@ def get_config(arg=None):
   c.eval.every = 25
   c.checkpoint.every = 25
   c.log.every = 5
+  return c
+
+
+def get_config(arg=None):
+  c = arith_job()
+  c.task.rounding_slip = 0.6  # the imperfect teacher
+  c.sft.steps = 900  # long enough to learn its addition (tens and hundreds) well
   c.lock()
   return common.variant(c, arg)

@@ -8,7 +8,7 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = common.derive(grpo_arith.get_config(), 'ppo')
+  c = common.derive(grpo_arith.arith_job(), 'ppo')
   c.workdir = 'runs/ppo_arith'
   c.rl.group_size = 4  # PPO needs no groups; 4 samples per prompt keep batches full
   c.rl.prompts_per_step = 32

@@ -14,7 +14,7 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = common.derive(grpo_arith.get_config(), 'reward_model')  # its task and sizes
+  c = common.derive(grpo_arith.arith_job(), 'reward_model')  # its task and sizes
   c.workdir = 'runs/rlhf_rm'
   c.model.path = 'runs/rlhf_sft/hf_export'
   c.rm.pairs_per_step = 32

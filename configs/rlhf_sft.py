@@ -15,9 +15,9 @@ from configs import common, grpo_arith
 
 
 def get_config(arg=None):
-  c = common.derive(grpo_arith.get_config(), 'sft')
+  c = common.derive(grpo_arith.arith_job(), 'sft')
   c.workdir = 'runs/rlhf_sft'
-  c.sft.steps = 450  # as the default job's warm-up
+  c.sft.steps = 450  # as the shared arithmetic jobs' warm-up
   c.eval.every = 150
   c.export_hf = True
   c.lock()

@@ -1,6 +1,6 @@
 """Held-out evaluation of a run's checkpoint or of any Hugging Face directory.
 
-    python launch/eval.py --config configs/grpo_arith.py [--step 450]
+    python launch/eval.py --config configs/grpo_arith.py [--step 900]
     python launch/eval.py --config configs/grpo_smollm2_gsm.py --model_path models/smollm2 \\
         --samples 4 --temperature 0.7 --out /tmp/before.jsonl
 

@@ -1,6 +1,6 @@
 """Writes a Hugging Face directory from any saved checkpoint of a run.
 
-    python launch/export.py --config configs/grpo_arith.py --step 450 --out runs/export_450
+    python launch/export.py --config configs/grpo_arith.py --step 900 --out runs/export_900
     jrl export --config configs/grpo_qwen.py --config.model.path=models/qwen   # the latest step
 
 Uses the run's config (same overrides as for training), restores checkpoint

@@ -18,6 +18,14 @@ read 'answer'), which for an addition whose units carry over drops that
 carry with probability `carry_slip` ("47+85=" -> "122"), the same for the
 same index: demonstrations that SFT imitates, errors included, while a
 verifier (exact match against 'answer') does not reward them.
+
+`rounding_slip` > 0 is a teacher that, for an addition whose sum has a
+digit more than its operands ("47+85=", 132), gives with that probability
+only an estimate: the sum rounded down to tens ("130"). Above 0.5 a units
+digit of 0 is its most frequent answer to every such problem, so a model
+that imitates it (greedily) gets them wrong unless the sum ends in 0,
+however long it trains; the other problems' true answers teach the units
+digit, which stays in its samples for a verifier to reward.
 """
 
 import dataclasses
@@ -35,6 +43,7 @@ class ArithmeticTask:
   ops: str = '+'
   seed: int = 0
   carry_slip: float = 0.0  # P(the teacher's response drops the units carry of an addition)
+  rounding_slip: float = 0.0  # P(the teacher rounds a sum with a new digit down to tens)
 
   def __post_init__(self):
     if not isinstance(self.digits, int) or not 1 <= self.digits <= 9:
@@ -44,6 +53,8 @@ class ArithmeticTask:
       raise ValueError(f'`ops` must be a non-empty string of {_OPS}, got {self.ops!r}.')
     if not 0.0 <= self.carry_slip <= 1.0:
       raise ValueError(f'`carry_slip` must be in [0, 1], got {self.carry_slip!r}.')
+    if not 0.0 <= self.rounding_slip <= 1.0:
+      raise ValueError(f'`rounding_slip` must be in [0, 1], got {self.rounding_slip!r}.')
 
   def example(self, index):
     """{'prompt', 'answer'} of problem `index` (any non-negative int)."""
@@ -56,10 +67,12 @@ class ArithmeticTask:
       a, b = b, a
     value = {'+': a + b, '-': a - b, '*': a * b}[op]
     example = {'prompt': f'{a}{op}{b}=', 'answer': str(value)}
-    if self.carry_slip:
-      slip = rng.random() < self.carry_slip  # drawn for every example: fixed per index
-      carries = op == '+' and a % 10 + b % 10 >= 10
-      example['response'] = str(value - 10 if slip and carries else value)
+    if self.carry_slip or self.rounding_slip:
+      # Both draws are made for every example (fixed per index), after the problem's.
+      slip, rounds = rng.random(2) < (self.carry_slip, self.rounding_slip)
+      response = value - 10 if slip and op == '+' and a % 10 + b % 10 >= 10 else value
+      rounds = rounds and op == '+' and value >= 10**self.digits  # a sum with a new digit
+      example['response'] = str(response - response % 10 if rounds else response)
     return example
 
   def max_answer_len(self):

@@ -156,6 +156,7 @@ class Task:
         ops=task_config.ops,
         seed=task_config.train_seed,
         carry_slip=task_config.carry_slip,
+        rounding_slip=task_config.rounding_slip,
       )
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)

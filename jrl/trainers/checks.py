@@ -102,6 +102,7 @@ FIELDS = {
   'model.lora.alpha': positive(),
   'task.digits': count(1, hi=9),
   'task.carry_slip': fraction(),
+  'task.rounding_slip': fraction(),
   'task.train_seed': count(0),
   'task.eval_seed': count(0),
   'task.eval_size': count(0),

@@ -1,4 +1,5 @@
-"""The generated arithmetic task and its imperfect teacher (`carry_slip`)."""
+"""The generated arithmetic task and its imperfect teachers (`carry_slip`,
+`rounding_slip`)."""
 
 import types
 
@@ -43,27 +44,60 @@ def test_the_teacher_drops_the_units_carry_at_the_given_rate():
   assert taught.example(11) == taught.example(11)  # fixed per index
 
 
+def test_the_estimating_teacher_rounds_sums_with_a_new_digit_at_the_given_rate():
+  plain, taught = ArithmeticTask(seed=3), ArithmeticTask(seed=3, rounding_slip=0.6)
+  rounded, overflowing, firsts = 0, 0, {}
+  for i in range(4000):
+    ex = taught.example(i)
+    assert {k: ex[k] for k in ('prompt', 'answer')} == plain.example(i)
+    answer = int(ex['answer'])
+    if answer < 100:  # two digits, as the operands: always the true answer
+      assert ex['response'] == ex['answer']
+      continue
+    assert int(ex['response']) in (answer, answer - answer % 10)
+    firsts.setdefault(answer % 10, []).append(ex['response'][-1])
+    if answer % 10:
+      overflowing += 1
+      rounded += ex['response'] != ex['answer']
+  assert abs(rounded / overflowing - 0.6) < 0.03
+  # Above one half, 0 is the teacher's most frequent units digit of every such sum.
+  for digits in firsts.values():
+    assert max(set(digits), key=digits.count) == '0'
+
+
+def test_the_two_teachers_combine_and_keep_each_ones_draws():
+  carry = ArithmeticTask(seed=5, carry_slip=0.5)
+  both = ArithmeticTask(seed=5, carry_slip=0.5, rounding_slip=0.5)
+  changed = 0
+  for i in range(500):
+    slipped, ex = int(carry.example(i)['response']), both.example(i)
+    assert int(ex['response']) in (slipped, slipped - slipped % 10)
+    changed += int(ex['response']) != slipped
+  assert changed > 100
+
+
+@pytest.mark.parametrize('field', ['carry_slip', 'rounding_slip'])
 @pytest.mark.parametrize('bad', [-0.1, 1.5])
-def test_a_slip_outside_zero_one_is_refused(bad):
-  with pytest.raises(ValueError, match='`carry_slip` must be in'):
-    ArithmeticTask(carry_slip=bad)
+def test_a_slip_outside_zero_one_is_refused(field, bad):
+  with pytest.raises(ValueError, match=f'`{field}` must be in'):
+    ArithmeticTask(**{field: bad})
 
 
 def test_sft_imitates_the_teacher_while_evaluation_checks_the_answer(tmp_path):
-  config = shrunk_config(tmp_path, {'task.carry_slip': 1.0})
+  config = shrunk_config(tmp_path, {'task.carry_slip': 1.0, 'task.rounding_slip': 0.0})
   tok = setup.tokenizer(config)
   enc = setup.encoder(config, tok)
   _, _, streams = setup.examples(config, enc, tok)
   examples = streams['sft_stream'].next(32)
   slipped = [ex for ex in examples if ex['response'] != ex['answer']]
   assert slipped and all(_units_carry(ex['prompt']) for ex in slipped)
-  resources = types.SimpleNamespace(
+  res = types.SimpleNamespace(
     encoder=enc,
     tokenizer=tok,
     stop_tokens=tuple(tok.eos_ids),
     seq_len=config.task.max_prompt_len + config.task.max_response_len,
   )
-  batch = sft.response_batch(resources, slipped[:1], 0)
+  batch = sft.response_batch(res, slipped[:1], 0)
   target = np.asarray(batch.tokens[0])[np.asarray(batch.loss_mask[0])]
   assert tok.decode([int(t) for t in target], skip_special_tokens=True) == slipped[0]['response']
   # The reward reads the true answer: the teacher's slip scores 0, the answer 1.
