@@ -131,6 +131,9 @@ def task_section():
   # arith: a sum with a new digit (47+85=132) is only estimated, rounded down to tens
   # (130), with this probability (an imperfect teacher)
   s.rounding_slip = 0.0
+  # arith: answers written units digit first (47+85=231), the order in which addition
+  # computes them
+  s.reverse_answers = False
   s.train_seed = 0  # arith: seed of the training problems
   s.eval_seed = 1  # arith: seed of the held-out problems
   s.eval_size = 200  # held-out examples

@@ -3,18 +3,20 @@
     python launch/train.py --config configs/grpo_arith.py
 
 The character tokenizer, a fresh 4-layer model, problems generated on the
-fly ("47+85=" -> "132"). The worked answers of the SFT warm-up come from
-an imperfect teacher: for a sum with a new digit (three digits here) it
-gives, 60% of the time, only an estimate rounded down to tens ("130",
-`task.rounding_slip`). 900 SFT steps learn the teacher's addition,
-estimates included, so greedy answers to most of those problems end in 0
-however long SFT runs; 100 GRPO steps (G = 8, an exact-match reward on the
-true answer) then raise held-out accuracy well beyond SFT's (README,
-"RL against SFT alone at equal compute"). Held-out accuracy is measured
-with greedy decoding every `eval.every` iterations (`eval/accuracy` in
-runs/grpo_arith/metrics.jsonl, on the console, and in curves.png). About
-five minutes on a 2-core CPU. `--config.task.rounding_slip=0` gives a
-perfect teacher.
+fly, answers written units digit first ("47+85=" -> "231", 132 reversed:
+`task.reverse_answers`, the order in which the digits of a sum are
+computed, which a small model learns from scratch far more reliably). The
+worked answers of the SFT warm-up come from an imperfect teacher: for a sum
+with a new digit (three digits here) it gives, 60% of the time, only an
+estimate rounded down to tens (130, written "031"; `task.rounding_slip`).
+900 SFT steps learn the teacher's addition, estimates included, so greedy
+answers to most of those problems have a units digit of 0 however long SFT
+runs; 100 GRPO steps (G = 8, an exact-match reward on the true answer) then
+raise held-out accuracy well beyond SFT's (README, "RL against SFT alone at
+equal compute"). Held-out accuracy is measured with greedy decoding every
+`eval.every` iterations (`eval/accuracy` in runs/grpo_arith/metrics.jsonl,
+on the console, and in curves.png). About five minutes on a 2-core CPU.
+`--config.task.rounding_slip=0` gives a perfect teacher.
 """
 
 from configs import common
@@ -54,6 +56,7 @@ def arith_job():
 def get_config(arg=None):
   c = arith_job()
   c.task.rounding_slip = 0.6  # the imperfect teacher
+  c.task.reverse_answers = True  # units digit first: every seed's warm-up learns to add
   c.sft.steps = 900  # long enough to learn its addition (tens and hundreds) well
   c.lock()
   return common.variant(c, arg)

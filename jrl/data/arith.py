@@ -19,6 +19,13 @@ carry with probability `carry_slip` ("47+85=" -> "122"), the same for the
 same index: demonstrations that SFT imitates, errors included, while a
 verifier (exact match against 'answer') does not reward them.
 
+`reverse_answers` writes every answer units digit first ("47+85=" ->
+"231"), the order in which the digits of a sum are computed: a small model
+learns addition in this order far more reliably from scratch (the default
+job's warm-up learned it with three seeds of three, against two of three
+with the usual order: README, "RL against SFT alone at equal compute").
+The teachers' slips are the same numbers, reversed ("130" -> "031").
+
 `rounding_slip` > 0 is a teacher that, for an addition whose sum has a
 digit more than its operands ("47+85=", 132), gives with that probability
 only an estimate: the sum rounded down to tens ("130"). Above 0.5 a units
@@ -44,6 +51,7 @@ class ArithmeticTask:
   seed: int = 0
   carry_slip: float = 0.0  # P(the teacher's response drops the units carry of an addition)
   rounding_slip: float = 0.0  # P(the teacher rounds a sum with a new digit down to tens)
+  reverse_answers: bool = False  # answers written units digit first ("47+85=" -> "231")
 
   def __post_init__(self):
     if not isinstance(self.digits, int) or not 1 <= self.digits <= 9:
@@ -55,6 +63,8 @@ class ArithmeticTask:
       raise ValueError(f'`carry_slip` must be in [0, 1], got {self.carry_slip!r}.')
     if not 0.0 <= self.rounding_slip <= 1.0:
       raise ValueError(f'`rounding_slip` must be in [0, 1], got {self.rounding_slip!r}.')
+    if not isinstance(self.reverse_answers, bool):
+      raise ValueError(f'`reverse_answers` must be a bool, got {self.reverse_answers!r}.')
 
   def example(self, index):
     """{'prompt', 'answer'} of problem `index` (any non-negative int)."""
@@ -66,14 +76,17 @@ class ArithmeticTask:
     if op == '-' and b > a:
       a, b = b, a
     value = {'+': a + b, '-': a - b, '*': a * b}[op]
-    example = {'prompt': f'{a}{op}{b}=', 'answer': str(value)}
+    example = {'prompt': f'{a}{op}{b}=', 'answer': self._write(value)}
     if self.carry_slip or self.rounding_slip:
       # Both draws are made for every example (fixed per index), after the problem's.
       slip, rounds = rng.random(2) < (self.carry_slip, self.rounding_slip)
       response = value - 10 if slip and op == '+' and a % 10 + b % 10 >= 10 else value
       rounds = rounds and op == '+' and value >= 10**self.digits  # a sum with a new digit
-      example['response'] = str(response - response % 10 if rounds else response)
+      example['response'] = self._write(response - response % 10 if rounds else response)
     return example
+
+  def _write(self, number):
+    return str(number)[::-1] if self.reverse_answers else str(number)
 
   def max_answer_len(self):
     return len(str((10**self.digits - 1) ** 2 if '*' in self.ops else 2 * 10**self.digits))

@@ -157,6 +157,7 @@ class Task:
         seed=task_config.train_seed,
         carry_slip=task_config.carry_slip,
         rounding_slip=task_config.rounding_slip,
+        reverse_answers=task_config.reverse_answers,
       )
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)

@@ -1,5 +1,5 @@
-"""The generated arithmetic task and its imperfect teachers (`carry_slip`,
-`rounding_slip`)."""
+"""The generated arithmetic task, its imperfect teachers (`carry_slip`,
+`rounding_slip`) and answers written units digit first (`reverse_answers`)."""
 
 import types
 
@@ -8,6 +8,7 @@ import pytest
 
 from jrl import rewards
 from jrl.data.arith import ArithmeticTask
+from jrl.data.tasks import Task
 from jrl.trainers import setup, sft
 from tests.helpers import shrunk_config
 
@@ -81,6 +82,29 @@ def test_the_two_teachers_combine_and_keep_each_ones_draws():
 def test_a_slip_outside_zero_one_is_refused(field, bad):
   with pytest.raises(ValueError, match=f'`{field}` must be in'):
     ArithmeticTask(**{field: bad})
+
+
+def test_reversed_answers_are_the_same_answers_units_digit_first():
+  plain = ArithmeticTask(seed=3, rounding_slip=0.6)
+  reverse = ArithmeticTask(seed=3, rounding_slip=0.6, reverse_answers=True)
+  rounded = 0
+  for i in range(500):
+    ex, rev = plain.example(i), reverse.example(i)
+    assert rev['prompt'] == ex['prompt']
+    assert rev['answer'] == ex['answer'][::-1] and rev['response'] == ex['response'][::-1]
+    rounded += rev['response'] != rev['answer']
+  assert rounded > 50  # the teacher's estimates are kept: '130' is written '031'
+  assert reverse.example(0)['answer'] == str(eval(reverse.example(0)['prompt'][:-1]))[::-1]
+  with pytest.raises(ValueError, match='`reverse_answers` must be a bool'):
+    ArithmeticTask(reverse_answers='yes')
+
+
+def test_the_default_job_writes_its_answers_units_digit_first(tmp_path):
+  config = shrunk_config(tmp_path)
+  assert config.task.reverse_answers  # configs/grpo_arith.py
+  held_out = Task(config.task, seed=0).held_out
+  assert all(ex['answer'] == str(eval(ex['prompt'][:-1]))[::-1] for ex in held_out)
+  assert any(ex['answer'] != ex['answer'][::-1] for ex in held_out)
 
 
 def test_sft_imitates_the_teacher_while_evaluation_checks_the_answer(tmp_path):
