@@ -416,10 +416,13 @@ def reward_section():
 def topology_section():
   """Where the sampler runs relative to the trainer (jrl/trainers/topology.py)."""
   s = ml_collections.ConfigDict()
-  s.kind = 'colocated'  # 'colocated' | 'disaggregated' | 'one_step_off'
-  s.rollout_devices = 0  # disaggregated / one_step_off: the last N devices sample
+  s.kind = 'colocated'  # 'colocated' | 'disaggregated' | 'one_step_off' | 'async'
+  s.rollout_devices = 0  # disaggregated / one_step_off / async: the last N devices sample
   s.staleness = 1  # one_step_off: policy versions between generation and update (0|1)
-  s.is_cap = 2.0  # one_step_off: truncation of the proximal/behaviour weight
+  # async: rollouts generated up to this many iterations ahead, so at most this many
+  # policy versions older than the update that trains on them (0: synchronous)
+  s.max_staleness = 2
+  s.is_cap = 2.0  # one_step_off / async: truncation of the proximal/behaviour weight
   return s
 
 

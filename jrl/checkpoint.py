@@ -226,8 +226,9 @@ class Checkpointer:
   def save(self, step, state, meta, *, force=False, behaviour=None):
     """Starts saving; returns at once when asynchronous.
 
-    `behaviour`: optional parameters of a rollout in flight (one-step-off),
-    saved beside the state so that a resumed run can regenerate it.
+    `behaviour`: optional parameters of the rollouts in flight (one-step-off,
+    async: {'v<version>': params}), saved beside the state so that a resumed
+    run can regenerate them.
     """
     self._seal()  # the previous save is finished (Orbax would wait for it here too)
     items = {'state': ocp.args.StandardSave(state), 'meta': ocp.args.JsonSave(meta)}
@@ -383,7 +384,8 @@ class Checkpointer:
     self._manager.reload()
 
   def restore_behaviour(self, step, abstract_params):
-    """The `behaviour` parameters saved with checkpoint `step`."""
+    """The `behaviour` parameters saved with checkpoint `step`, restored as
+    `abstract_params` (a tree, or {'v<version>': tree})."""
     path = self.step_dir(step)
     try:
       restored = self._manager.restore(

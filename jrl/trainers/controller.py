@@ -119,6 +119,7 @@ def _meta(job, progress):
     'unscored_run': progress.unscored_run,
     'rl_started': progress.rl_started,
     'pending_rollout': behaviour is not None,
+    'rollouts_in_flight': job.topology.in_flight() if job.topology is not None else [],
     'config': json.loads(job.resources.config.to_json_best_effort()),
   }
 
@@ -130,9 +131,9 @@ def _streams_and_behaviour(job):
 
 
 def save(job, checkpointer, state, progress, force=False):
-  """A checkpoint of the state, the streams and the counters. One-step-off:
-  the rollout in flight is not saved; the parameters it reads are, so that a
-  resumed run regenerates exactly the same rollout."""
+  """A checkpoint of the state, the streams and the counters. One-step-off
+  and async: the rollouts in flight are not saved; the parameters they read
+  are, so that a resumed run regenerates exactly the same rollouts."""
   _, behaviour = _streams_and_behaviour(job)
   with job.resources.tracer.span('checkpoint', iteration=progress.iteration):
     checkpointer.save(

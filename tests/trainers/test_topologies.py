@@ -1,4 +1,5 @@
-"""Rollout topologies (`config.topology`): colocated, disaggregated, one-step-off.
+"""Rollout topologies (`config.topology`): colocated, disaggregated, one-step-off
+(async with k > 1: test_async.py).
 
 All runs are the shrunken default job of tests/helpers.py (8 fake CPU devices,
 in process), with the overlong penalty so that rewards vary with length and
@@ -112,7 +113,7 @@ def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp
   then restarted: the run ends as the uninterrupted one does."""
   workdir = str(tmp_path)
   config = shrunk_config(workdir, {**BASE, **ONE_STEP_OFF})
-  original = topology.OneStepOff.next_rollout
+  original = topology.StepsOff.next_rollout
 
   def preempt_during_first(self, params, iteration):
     ro = original(self, params, iteration)
@@ -120,7 +121,7 @@ def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp
       os.kill(os.getpid(), signal.SIGTERM)  # the controller's handler: stop after this one
     return ro
 
-  monkeypatch.setattr(topology.OneStepOff, 'next_rollout', preempt_during_first)
+  monkeypatch.setattr(topology.StepsOff, 'next_rollout', preempt_during_first)
   trainers.run(config)
   stopped_at = config.sft.steps + 1
   total = config.sft.steps + config.rl.steps
@@ -128,13 +129,19 @@ def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
   assert checkpointer.latest_step() == stopped_at
   checkpointer.close()
-  monkeypatch.setattr(topology.OneStepOff, 'next_rollout', original)
+  monkeypatch.setattr(topology.StepsOff, 'next_rollout', original)
 
   params, records = run(workdir, ONE_STEP_OFF)
   assert_trees_equal(params, one_step_off[0])
   assert history(records) == history(one_step_off[1])
   resumed = [r for r in records if r['step'] == stopped_at + 1]
   assert resumed[-1]['rollout/staleness'] == 1.0
+
+
+def test_async_with_max_staleness_1_is_one_step_off(one_step_off, tmp_path):
+  params, records = run(str(tmp_path), {'topology.kind': 'async', 'topology.max_staleness': 1})
+  assert_trees_equal(params, one_step_off[0])
+  assert history(records) == history(one_step_off[1])
 
 
 def test_one_step_off_on_separate_rollout_devices(one_step_off, tmp_path):
@@ -183,6 +190,7 @@ def test_disaggregated_samples_on_its_own_devices(colocated, tmp_path):
     ({'topology.kind': 'disaggregated', 'topology.rollout_devices': 8}, 'topology.rollout_devices'),
     ({'topology.rollout_devices': 2}, 'topology.rollout_devices'),
     ({'topology.kind': 'one_step_off', 'topology.staleness': 2}, 'topology.staleness'),
+    ({'topology.kind': 'async', 'topology.max_staleness': -1}, 'topology.max_staleness'),
     ({'topology.kind': 'one_step_off', 'topology.is_cap': 0.5}, 'topology.is_cap'),
   ],
 )
