@@ -9,7 +9,8 @@ float rounding, and sampled tokens and rewards exactly. The second
 two-process run is preempted with SIGTERM (forwarded by the launcher): both
 processes agree on an iteration, save one checkpoint collectively, exit 0,
 and the restarted pair restores it and ends bit for bit where an
-uninterrupted pair ends.
+uninterrupted pair ends. An async pair (rollouts up to two versions old) is
+compared with one process too.
 """
 
 import importlib.util
@@ -126,12 +127,12 @@ def test_local_launcher_environment_and_arguments():
 # Two processes x 4 devices ---------------------------------------------------------
 
 
-def job_args(workdir):
-  flags = [f'--config.{k}={v}' for k, v in {**JOB, 'workdir': workdir}.items()]
+def job_args(workdir, fields=None):
+  flags = [f'--config.{k}={v}' for k, v in {**(fields or JOB), 'workdir': workdir}.items()]
   return ['--config', 'configs/grpo_arith.py', *flags]
 
 
-def launch_command(workdir, log_dir):
+def launch_command(workdir, log_dir, fields=None):
   return [
     sys.executable,
     'launch/local.py',
@@ -139,7 +140,7 @@ def launch_command(workdir, log_dir):
     '--devices_per_process=4',
     f'--log_dir={log_dir}',
     '--',
-    *job_args(workdir),
+    *job_args(workdir, fields),
   ]
 
 
@@ -153,13 +154,13 @@ def launch_env(cache_dir):
   return env
 
 
-def run_pair(workdir, root, cache, sigterm_after_step=None):
-  """Runs the job on 2 processes; optionally SIGTERMs the launcher once
-  `sigterm_after_step` is logged. Returns (exit status, output)."""
+def run_pair(workdir, root, cache, sigterm_after_step=None, fields=None):
+  """Runs the job (`fields`, default JOB) on 2 processes; optionally SIGTERMs
+  the launcher once `sigterm_after_step` is logged. Returns (exit status, output)."""
   log_dir = str(root / f'logs_{os.path.basename(workdir)}')
   with open(root / f'{os.path.basename(workdir)}.log', 'w+') as log:
     proc = subprocess.Popen(
-      launch_command(workdir, log_dir),
+      launch_command(workdir, log_dir, fields),
       cwd=REPO,
       env=launch_env(cache),
       stdout=log,
@@ -252,3 +253,28 @@ def test_sigterm_saves_collectively_and_the_pair_resumes_exactly(two_process_run
   assert [strip(x) for x in read_jsonl(f'{r["preempted"]}/metrics.jsonl')] == [
     strip(x) for x in read_jsonl(f'{r["pair"]}/metrics.jsonl')
   ]
+
+
+def test_async_on_two_processes_matches_one_process(tmp_path):
+  """`topology.kind='async'` with k = 2 on two processes (about 30 s, not
+  marked slow): each rollout is generated on both, at its turn in the main
+  thread (a background thread's collectives would deadlock against the
+  update's), by the same parameter versions as on one process with 8 devices."""
+  fields = {**JOB, 'topology.kind': 'async', 'topology.max_staleness': 2}
+  pair, single = str(tmp_path / 'pair'), str(tmp_path / 'single')
+  rc, log = run_pair(pair, tmp_path, str(tmp_path / 'jax_cache'), fields=fields)
+  assert rc == 0, log[-3000:]
+  trainers.run(shrunk_config(single, fields))
+  for name, value in exported(single).items():
+    np.testing.assert_allclose(exported(pair)[name], value, atol=1e-6, err_msg=name)
+  pair_records, single_records = (
+    read_jsonl(f'{pair}/metrics.jsonl'),
+    read_jsonl(f'{single}/metrics.jsonl'),
+  )
+  assert len(pair_records) == len(single_records) == TOTAL
+  for a, b in zip(pair_records, single_records, strict=True):
+    for key in (*COMPARED, 'rollout/staleness'):
+      assert a.get(key) == b.get(key), (a['step'], key)
+  staleness = [r['rollout/staleness'] for r in single_records if 'rollout/staleness' in r]
+  assert staleness == [0.0, 1.0] + [2.0] * (JOB['rl.steps'] - 2)
+  assert any(rec.get('actor/grad_norm', 0) > 0 for rec in single_records)

@@ -77,12 +77,21 @@ def test_one_step_off_trains_on_rollouts_one_version_old(colocated, one_step_off
       assert after['rollout/behaviour_logp_diff_abs'] > 1e-5, (before, after)
 
 
+@pytest.mark.parametrize(
+  'topology_fields, staleness',
+  [
+    (ONE_STEP_OFF, [0.0, 1.0, 1.0]),
+    ({'topology.kind': 'async', 'topology.max_staleness': 2}, [0.0, 1.0, 2.0]),
+  ],
+  ids=['one_step_off', 'async_k2'],
+)
 @pytest.mark.parametrize('algorithm', ['ppo', 'agent'])
-def test_ppo_and_the_agent_train_one_step_off(tmp_path, algorithm):
+def test_ppo_and_the_agent_train_on_stale_rollouts(tmp_path, algorithm, topology_fields, staleness):
   """The proximal pass and its importance weights belong to the online step,
   not to GRPO: PPO (policy and critic) and the agent's episodes train on
-  rollouts one version old, corrected against the current policy."""
-  fields = {**ONE_STEP_OFF, 'rl.steps': 3}
+  rollouts one version old (one-step-off) or up to two (async, k = 2),
+  corrected against the current policy."""
+  fields = {**topology_fields, 'rl.steps': 3}
   if algorithm == 'ppo':
     trainers.run(shrunk_config(str(tmp_path), {**BASE, **fields, 'algorithm': 'ppo'}))
   else:
@@ -95,7 +104,7 @@ def test_ppo_and_the_agent_train_one_step_off(tmp_path, algorithm):
     config.lock()
     trainers.run(config)
   rl = [r for r in read_jsonl(f'{tmp_path}/metrics.jsonl') if r.get('phase') == 1.0]
-  assert [r['rollout/staleness'] for r in rl] == [0.0, 1.0, 1.0]
+  assert [r['rollout/staleness'] for r in rl] == staleness
   assert 'rollout/is_weight_mean' not in rl[0]
   for r in rl[1:]:
     assert 'rollout/is_weight_mean' in r and r['actor/nonfinite'] == 0.0
