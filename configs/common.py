@@ -422,7 +422,12 @@ def topology_section():
   # async: rollouts generated up to this many iterations ahead, so at most this many
   # policy versions older than the update that trains on them (0: synchronous)
   s.max_staleness = 2
-  s.is_cap = 2.0  # one_step_off / async: truncation of the proximal/behaviour weight
+  # one_step_off / async: the correction of a stale rollout, decoupled PPO's
+  # importance weight w = proximal / behaviour (jrl.losses.importance_weights):
+  s.is_level = 'token'  # 'token' | 'sequence' (product over the sequence) | 'geometric'
+  s.is_mode = 'truncate'  # 'truncate': min(w, is_cap) | 'mask': w in [is_low, is_cap], else 0
+  s.is_cap = 2.0  # the upper bound
+  s.is_low = 0.0  # mask: the lower bound (0: 1 / is_cap)
   return s
 
 

@@ -313,11 +313,13 @@ def logprobs_fn(config, graphdef, packer=None):
 
 
 def proximal(logprobs, params, generated, it, resources):
-  """Decoupled PPO for a rollout of an older policy (one-step-off): the
-  proximal logprobs (`logprobs`, the run's jitted logprob step, at the
-  current `params`), the truncated importance weights proximal / behaviour
-  (capped at `topology.is_cap`) and their metrics. A rollout of the current
-  version (`generated.version == it`) keeps its behaviour logprobs, weights 1."""
+  """Decoupled PPO for a rollout of an older policy (one-step-off, async):
+  the proximal logprobs (`logprobs`, the run's jitted logprob step, at the
+  current `params`), the importance weights proximal / behaviour (per
+  token, sequence or geometric mean, truncated or masked: `topology.is_*`,
+  `jrl.losses.importance_weights`) and their metrics. A rollout of the
+  current version (`generated.version == it`) keeps its behaviour
+  logprobs, weights 1."""
   if generated.version == it:
     return generated.old_logp, jnp.ones_like(generated.old_logp), {}
   config = resources.config
@@ -326,13 +328,15 @@ def proximal(logprobs, params, generated, it, resources):
       logprobs, params, generated.batch, config.rl.minibatch_size, resources.batch_sharding
     )
     jax.block_until_ready(old_logp)
+  topology_config = config.topology
   is_weights, is_metrics = L.importance_weights(
     old_logp,
     generated.old_logp,
     generated.batch.loss_mask,
-    level='token',
-    mode='truncate',
-    high=config.topology.is_cap,
+    level=topology_config.is_level,
+    mode=topology_config.is_mode,
+    high=topology_config.is_cap,
+    low=topology_config.is_low or None,
   )
   metrics = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
   metrics['rollout/behaviour_logp_diff_abs'] = float(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jrl import checkpoint as ckpt_lib
 from jrl import models, parallel
+from jrl.losses import off_policy
 from jrl.trainers import checks
 
 KINDS = ('colocated', 'disaggregated', 'one_step_off', 'async')
@@ -342,6 +343,19 @@ def check(config, batch_shards):
     'topology.kind',
     f'{topology_config.kind} runs the online algorithms {online} only (they train on rollouts).',
   )
+  levels, modes = off_policy.IS_LEVELS, off_policy.IS_MODES
+  need(topology_config.is_level in levels, 'topology.is_level', f'must be one of {levels}.')
+  need(topology_config.is_mode in modes, 'topology.is_mode', f'must be one of {modes}.')
+  need(
+    topology_config.is_low < topology_config.is_cap,
+    'topology.is_low',
+    f'must be below `topology.is_cap` ({topology_config.is_cap}).',
+  )
+  need(
+    topology_config.is_mode == 'mask' or topology_config.is_low == 0,
+    'topology.is_low',
+    "bounds the weights of is_mode='mask' only; leave it 0 with 'truncate'.",
+  )
 
 
 SECTION = checks.Section(
@@ -351,6 +365,7 @@ SECTION = checks.Section(
     'topology.staleness': checks.count(0, hi=1),
     'topology.max_staleness': checks.count(0),
     'topology.is_cap': checks.Range(False, 1),
+    'topology.is_low': checks.Range(False, 0),
   },
   check,
 )

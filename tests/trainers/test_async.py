@@ -1,20 +1,24 @@
 """`topology.kind='async'`: rollouts generated up to k = `topology.max_staleness`
 iterations ahead (jrl/trainers/topology.py, `StepsOff`), with k = 2 here:
-the staleness schedule, the corrections of stale rollouts, and an exact
-resume with rollouts of two policy versions in flight."""
+the staleness schedule, the corrections of stale rollouts (chosen by
+`topology.is_*`), and an exact resume with rollouts of two policy versions
+in flight."""
 
+import contextlib
 import itertools
 import os
 import signal
+import types
 
 import jax
 import numpy as np
 import pytest
 
 from jrl import checkpoint as ckpt_lib
-from jrl import trainers
+from jrl import losses, trainers
+from jrl.losses import off_policy
 from jrl.metrics import read_jsonl
-from jrl.trainers import topology
+from jrl.trainers import online, topology
 from tests.helpers import assert_trees_equal, shrunk_config
 from tests.trainers.test_topologies import BASE, history, run
 
@@ -98,3 +102,69 @@ def test_a_checkpoint_from_before_k_above_1_restores_its_one_rollout(tmp_path):
   assert (flight.iteration, flight.version) == (7, 6)
   np.testing.assert_array_equal(flight.params['w'], params['w'])
   steps_off.close()
+
+
+BEHAVIOUR = np.array([[-1.0, -2.0, -0.5], [-0.3, -0.1, -2.0]], np.float32)
+SHIFT = np.array([[0.5, -0.2, 0.1], [0.9, 0.0, -0.4]], np.float32)  # proximal - behaviour
+MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+
+
+def corrected(tmp_path, fields):
+  """`online.proximal` on a rollout two versions old whose proximal logprobs
+  are BEHAVIOUR + SHIFT: (importance weights, metrics)."""
+  config = shrunk_config(str(tmp_path), {**ASYNC, **fields})
+  batch = types.SimpleNamespace(tokens=np.zeros((2, 3), np.int32), mask=MASK, loss_mask=MASK)
+  generated = types.SimpleNamespace(version=3, old_logp=BEHAVIOUR, batch=batch)
+  resources = types.SimpleNamespace(
+    config=config,
+    tracer=types.SimpleNamespace(span=lambda name: contextlib.nullcontext()),
+    batch_sharding=None,
+  )
+  logprobs = lambda params, tokens, mask, loss_mask: BEHAVIOUR + SHIFT
+  old_logp, weights, metrics = online.proximal(logprobs, None, generated, 5, resources)
+  np.testing.assert_allclose(old_logp, BEHAVIOUR + SHIFT)
+  return np.asarray(weights), metrics
+
+
+def test_stale_rollouts_are_weighted_per_token_and_truncated_by_default(tmp_path):
+  weights, metrics = corrected(tmp_path, {'topology.is_cap': 2.0})
+  want = np.minimum(np.exp(SHIFT), 2.0) * MASK  # e^0.9 = 2.46 is truncated to 2
+  np.testing.assert_allclose(weights, want, rtol=1e-6)
+  assert metrics['rollout/is_clipped_frac'] == pytest.approx(1 / 5)
+
+
+def test_the_sequence_level_mask_drops_a_sequence_outside_its_bounds(tmp_path):
+  fields = {'topology.is_level': 'sequence', 'topology.is_mode': 'mask', 'topology.is_low': 0.5}
+  weights, metrics = corrected(tmp_path, {**fields, 'topology.is_cap': 2.0})
+  # Sequence log ratios: 0.5 - 0.2 + 0.1 = 0.4 (w = 1.49, kept) and 0.9 (w = 2.46 > 2, dropped).
+  np.testing.assert_allclose(weights, [[np.exp(0.4)] * 3, [0.0, 0.0, 0.0]], rtol=1e-6)
+  assert metrics['rollout/is_clipped_frac'] == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize('level', off_policy.IS_LEVELS)
+@pytest.mark.parametrize('mode', off_policy.IS_MODES)
+def test_every_correction_is_the_kernel_with_the_configured_bounds(tmp_path, level, mode):
+  low = 0.8 if mode == 'mask' else 0.0
+  fields = {'topology.is_level': level, 'topology.is_mode': mode, 'topology.is_low': low}
+  weights, metrics = corrected(tmp_path, {**fields, 'topology.is_cap': 1.5})
+  want, want_metrics = losses.importance_weights(
+    BEHAVIOUR + SHIFT, BEHAVIOUR, MASK, level=level, mode=mode, high=1.5, low=low or None
+  )
+  np.testing.assert_allclose(weights, want, rtol=1e-6)
+  for name, value in want_metrics.items():
+    assert metrics[f'rollout/{name}'] == pytest.approx(float(value))
+
+
+@pytest.mark.parametrize(
+  'fields, field',
+  [
+    ({'topology.is_level': 'word'}, 'topology.is_level'),
+    ({'topology.is_mode': 'clip'}, 'topology.is_mode'),
+    ({'topology.is_mode': 'mask', 'topology.is_low': 3.0}, 'topology.is_low'),
+    ({'topology.is_low': 0.5}, 'topology.is_low'),  # truncation has no lower bound
+  ],
+)
+def test_a_bad_correction_setting_names_the_field(tmp_path, fields, field):
+  config = shrunk_config(str(tmp_path), {**ASYNC, **fields})
+  with pytest.raises(ValueError, match=f'`{field}`'):
+    trainers.validate(config, batch_shards=1)
