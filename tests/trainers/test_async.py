@@ -8,6 +8,9 @@ import contextlib
 import itertools
 import os
 import signal
+import subprocess
+import sys
+import time
 import types
 
 import jax
@@ -19,7 +22,16 @@ from jrl import losses, trainers
 from jrl.losses import off_policy
 from jrl.metrics import read_jsonl
 from jrl.trainers import online, topology
-from tests.helpers import assert_trees_equal, shrunk_config
+from tests.helpers import (
+  REPO,
+  SHRINK,
+  assert_trees_equal,
+  logged_steps,
+  records,
+  restore,
+  shrunk_config,
+)
+from tests.trainers.test_grpo_loop import run_to_completion, train_env
 from tests.trainers.test_topologies import BASE, history, run
 
 ASYNC = {'topology.kind': 'async', 'topology.max_staleness': 2}
@@ -168,3 +180,106 @@ def test_a_bad_correction_setting_names_the_field(tmp_path, fields, field):
   config = shrunk_config(str(tmp_path), {**ASYNC, **fields})
   with pytest.raises(ValueError, match=f'`{field}`'):
     trainers.validate(config, batch_shards=1)
+
+
+# Killed (SIGKILL) at three moments, in subprocesses --------------------------------
+
+KILL_IN = '''
+"""launch/train.py, SIGKILLed right after the KILL_AT_CALL-th return of KILL_IN
+("module:attribute.path")."""
+import functools
+import importlib
+import os
+import runpy
+import signal
+import sys
+
+sys.path.insert(0, os.getcwd())
+module_name, path = os.environ['KILL_IN'].split(':')
+owner = importlib.import_module(module_name)
+*parents, name = path.split('.')
+for parent in parents:
+  owner = getattr(owner, parent)
+original, calls = getattr(owner, name), []
+
+
+@functools.wraps(original)
+def wrapped(*args, **kwargs):
+  out = original(*args, **kwargs)
+  calls.append(1)
+  if len(calls) == int(os.environ['KILL_AT_CALL']):
+    print(f'killed after {path} call {len(calls)}', flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return out
+
+
+setattr(owner, name, wrapped)
+sys.argv = ['launch/train.py', *sys.argv[1:]]
+runpy.run_path('launch/train.py', run_name='__main__')
+'''
+
+# 2 SFT + 4 RL iterations, a checkpoint after every iteration (each with the
+# parameters of the versions in flight), a KL term (the reference model is state).
+KILLED = {**SHRINK, **ASYNC, 'rl.steps': 4, 'rl.kl_coef': 0.01, 'rl.overlong_buffer': 4}
+KILLED = {**KILLED, 'checkpoint.every': 1, 'log.plot': False, 'eval.every': 2}
+KILLED_TOTAL = KILLED['sft.steps'] + KILLED['rl.steps']
+
+
+def killed_command(workdir, script='launch/train.py'):
+  flags = [f'--config.{k}={v}' for k, v in {**KILLED, 'workdir': workdir}.items()]
+  return [sys.executable, script, '--config', 'configs/grpo_arith.py', *flags]
+
+
+@pytest.fixture(scope='module')
+def killed_runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp('killed')
+  cache = str(root / 'jax_cache')
+  straight, broken = str(root / 'straight'), str(root / 'broken')
+  run_to_completion(killed_command(straight), train_env(cache), attempts=1)
+  kills = []
+  # (1) Right after the first RL iteration's metrics line (two rollouts in flight).
+  proc = subprocess.Popen(
+    killed_command(broken), cwd=REPO, env=train_env(cache), stdout=subprocess.DEVNULL
+  )
+  deadline = time.monotonic() + 240
+  while proc.poll() is None and time.monotonic() < deadline:
+    if any(s > KILLED['sft.steps'] for s in logged_steps(f'{broken}/metrics.jsonl')):
+      os.kill(proc.pid, signal.SIGKILL)
+      break
+    time.sleep(0.01)
+  kills.append(proc.wait())
+  script = root / 'kill_in.py'
+  script.write_text(KILL_IN)
+  # (2) After the resumed run's second update, before its metrics and checkpoint;
+  # (3) while its second checkpoint save is in flight.
+  for target in ('jrl.trainers.online:run_minibatches', 'jrl.checkpoint:Checkpointer.save'):
+    env = train_env(cache, KILL_IN=target, KILL_AT_CALL='2')
+    proc = subprocess.run(
+      killed_command(broken, str(script)), cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert 'killed after' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kills.append(proc.returncode)
+  restarts = run_to_completion(killed_command(broken), train_env(cache))
+  return {'straight': straight, 'broken': broken, 'kills': kills, 'restarts': restarts}
+
+
+def test_killed_at_three_moments_the_async_run_ends_bit_identical(killed_runs):
+  r = killed_runs
+  assert r['kills'] == [-signal.SIGKILL] * 3
+  assert all('resumed from' in out for out in r['restarts'])
+  straight_state, straight_meta = restore(r['straight'])
+  broken_state, broken_meta = restore(r['broken'])
+  assert straight_meta['iteration'] == broken_meta['iteration'] == KILLED_TOTAL
+  assert straight_meta['streams'] == broken_meta['streams']  # no prompt skipped or repeated
+  assert_trees_equal(broken_state, straight_state)
+
+  def last_records(workdir):
+    strip = lambda rec: {k: v for k, v in rec.items() if not k.startswith(('time/', 'throughput/'))}
+    return {rec['step']: strip(rec) for rec in records(workdir)}
+
+  straight, broken = last_records(r['straight']), last_records(r['broken'])
+  assert sorted(straight) == sorted(broken) == list(range(KILLED_TOTAL + 1))
+  for step, record in straight.items():
+    assert broken[step] == record, step
+  assert [straight[s]['rollout/staleness'] for s in range(3, KILLED_TOTAL + 1)] == [0, 1, 2, 2]
+  assert any(rec.get('actor/grad_norm', 0) > 0 for rec in straight.values())
