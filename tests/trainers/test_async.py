@@ -283,3 +283,65 @@ def test_killed_at_three_moments_the_async_run_ends_bit_identical(killed_runs):
     assert broken[step] == record, step
   assert [straight[s]['rollout/staleness'] for s in range(3, KILLED_TOTAL + 1)] == [0, 1, 2, 2]
   assert any(rec.get('actor/grad_norm', 0) > 0 for rec in straight.values())
+
+
+# The schedule under random timings, with a stand-in worker ---------------------------
+
+
+class CountingStream:
+  """A prompt stream whose state is the number of batches drawn."""
+
+  def __init__(self):
+    self.drawn = 0
+
+  def state(self):
+    return self.drawn
+
+
+class SlowWorker:
+  """Draws one batch, then takes a random time to 'generate' it."""
+
+  def __init__(self, stream, rng):
+    self.stream, self.rng = stream, rng
+
+  def sample(self, params, iteration, version):
+    self.stream.drawn += 1
+    drawn = self.stream.drawn
+    time.sleep(self.rng.uniform(0, 0.004))
+    return types.SimpleNamespace(
+      iteration=iteration, version=version, drawn=drawn, params=params, metrics={}
+    )
+
+
+@pytest.mark.parametrize('k', [0, 1, 2, 4])
+def test_the_schedule_ignores_timing_and_staleness_never_exceeds_k(k):
+  """Random generation and update times: every run gives the same versions,
+  each rollout is at most k versions old, every iteration gets its own
+  rollout in order, and a checkpoint taken at any iteration names the draws
+  still to come."""
+  total, first = 12, 2
+  runs = []
+  for seed in range(4):
+    rng = np.random.default_rng(seed)
+    stream = CountingStream()
+    steps_off = topology.StepsOff(SlowWorker(stream, rng), None, None, {'rl': stream}, total, k)
+    seen = []
+    for it in range(first, total):
+      params = {'w': jax.numpy.full((2,), float(it))}  # the parameters of version `it`
+      generated = steps_off.next_rollout(params, it)
+      time.sleep(rng.uniform(0, 0.004))  # the update
+      assert generated.iteration == it and generated.drawn == it - first + 1
+      assert 0 <= it - generated.version <= k
+      assert float(generated.params['w'][0]) == generated.version  # read that version's copy
+      streams, behaviour = steps_off.checkpoint({'rl': stream})
+      in_flight = steps_off.in_flight()
+      assert streams['rl'] == it - first + 1  # the oldest rollout in flight has not drawn
+      assert [j for j, _ in in_flight] == list(range(it + 1, min(it + 1 + k, total)))
+      assert (behaviour is None) == (not in_flight)
+      if behaviour is not None:
+        assert sorted(behaviour) == sorted({f'v{v}' for _, v in in_flight})
+      seen.append((it, generated.version, in_flight))
+    steps_off.close()
+    runs.append(seen)
+  assert all(run == runs[0] for run in runs)
+  assert [v for _, v, _ in runs[0]] == [max(first, it - k) for it in range(first, total)]
