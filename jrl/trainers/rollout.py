@@ -305,6 +305,10 @@ class RolloutWorker:
     t_gen = t_reward = 0.0
     zero_var_groups = drawn_groups = gen_tokens = 0
     first_scored = None
+    # Prompt accounting: the stream index of this rollout's first prompt, and its
+    # policy version (consecutive rollouts: first prompts `groups/drawn` apart).
+    metrics['rollout/first_prompt'] = float(self.stream.position)
+    metrics['rollout/version'] = float(version)
     for draw in range(1 + (rl.dynamic_sampling_max_draws if rl.dynamic_sampling else 0)):
       examples = self.stream.next(b, self.prompt_rows)
       prompt_ids = self._gather_prompts([self.encoder.prompt_ids(ex['prompt']) for ex in examples])

@@ -281,7 +281,14 @@ def test_killed_at_three_moments_the_async_run_ends_bit_identical(killed_runs):
   assert sorted(straight) == sorted(broken) == list(range(KILLED_TOTAL + 1))
   for step, record in straight.items():
     assert broken[step] == record, step
-  assert [straight[s]['rollout/staleness'] for s in range(3, KILLED_TOTAL + 1)] == [0, 1, 2, 2]
+  rl_steps = range(KILLED['sft.steps'] + 1, KILLED_TOTAL + 1)
+  assert [straight[s]['rollout/staleness'] for s in rl_steps] == [0, 1, 2, 2]
+  assert [straight[s]['rollout/version'] for s in rl_steps] == [2, 2, 2, 3]
+  # Prompt accounting: each rollout's prompts follow the previous one's, none
+  # dropped or drawn twice, in the killed run as in the straight one.
+  first = [straight[s]['rollout/first_prompt'] for s in rl_steps]
+  drawn = [straight[s]['groups/drawn'] for s in rl_steps]
+  assert first == [first[0] + sum(drawn[:i]) for i in range(len(first))]
   assert any(rec.get('actor/grad_norm', 0) > 0 for rec in straight.values())
 
 
