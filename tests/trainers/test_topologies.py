@@ -117,30 +117,39 @@ def test_ppo_and_the_agent_train_on_stale_rollouts(tmp_path, algorithm, topology
   assert all(r['critic/nonfinite'] == 0.0 and r['critic/grad_norm'] > 0 for r in rl)
 
 
-def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp_path, monkeypatch):
-  """Preempted after RL iteration 1 (the rollout for iteration 2 is in flight),
-  then restarted: the run ends as the uninterrupted one does."""
-  workdir = str(tmp_path)
-  config = shrunk_config(workdir, {**BASE, **ONE_STEP_OFF})
+def preempt_and_resume(monkeypatch, workdir, fields, rl_iteration):
+  """Runs `fields`, SIGTERMed during RL iteration `rl_iteration` (0-based):
+  the controller saves and stops after it; then restarts the run to the end.
+  Returns (the step it stopped at, the rollouts in flight then as
+  `StepsOff.in_flight`, the final parameters, the metrics records)."""
+  config = shrunk_config(workdir, {**BASE, **fields})
   original = topology.StepsOff.next_rollout
+  in_flight = []
 
-  def preempt_during_first(self, params, iteration):
-    ro = original(self, params, iteration)
-    if iteration == config.sft.steps:  # the first RL iteration
+  def preempt(self, params, iteration):
+    generated = original(self, params, iteration)
+    if iteration == config.sft.steps + rl_iteration:
+      in_flight.append(self.in_flight())
       os.kill(os.getpid(), signal.SIGTERM)  # the controller's handler: stop after this one
-    return ro
+    return generated
 
-  monkeypatch.setattr(topology.StepsOff, 'next_rollout', preempt_during_first)
+  monkeypatch.setattr(topology.StepsOff, 'next_rollout', preempt)
   trainers.run(config)
-  stopped_at = config.sft.steps + 1
+  stopped_at = config.sft.steps + rl_iteration + 1
   total = config.sft.steps + config.rl.steps
   assert read_jsonl(f'{workdir}/metrics.jsonl')[-1]['step'] == stopped_at < total  # preempted
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'))
   assert checkpointer.latest_step() == stopped_at
   checkpointer.close()
   monkeypatch.setattr(topology.StepsOff, 'next_rollout', original)
+  params, records = run(workdir, fields)
+  return stopped_at, in_flight[0], params, records
 
-  params, records = run(workdir, ONE_STEP_OFF)
+
+def test_one_step_off_resumes_exactly_with_a_rollout_in_flight(one_step_off, tmp_path, monkeypatch):
+  """Preempted after RL iteration 1 (the rollout for iteration 2 is in flight),
+  then restarted: the run ends as the uninterrupted one does."""
+  stopped_at, _, params, records = preempt_and_resume(monkeypatch, str(tmp_path), ONE_STEP_OFF, 0)
   assert_trees_equal(params, one_step_off[0])
   assert history(records) == history(one_step_off[1])
   resumed = [r for r in records if r['step'] == stopped_at + 1]
