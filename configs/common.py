@@ -515,6 +515,9 @@ def agent_section():
   a.max_turns = 4  # tool calls per trajectory before it is ended
   a.step_timeout_s = 10.0  # per environment step; a late step ends its trajectory
   a.max_env_tokens = 16  # longest environment answer (tokens)
+  # threads running environment steps; a waiting sample is parked and the others keep
+  # decoding. 0: each step is waited for in the sampler's loop (same trajectories, slower)
+  a.env_workers = 16
   a.sft_tool_frac = 0.5  # share of SFT demonstrations that use the tool
   return a
 

@@ -12,6 +12,7 @@
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40 --humaneval_rounds 5]
+    python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --workers 16]
 
 Each benchmark is a module of launch/benches/ (its docstring says what it
 measures and what every figure means); this file is their command line.
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launch.benches import (
   calibration,
+  envs,
   grpo,
   logprobs,
   model,
@@ -43,6 +45,7 @@ BENCHES = {
   'topology': topology,
   'costmodel': calibration,
   'rewards': rewards,
+  'envs': envs,
 }
 
 

@@ -104,6 +104,7 @@ def test_bad_field_is_named_with_its_range_and_value(tmp_path, field, value, rul
     ('dpo', 'pairs_per_step', 0, '>= 1'),
     ('rm', 'pairs_per_step', -2, '>= 1'),
     ('agent', 'max_env_tokens', 0, '>= 1'),
+    ('agent', 'env_workers', -1, '>= 0'),
     ('agent', 'sft_tool_frac', -0.1, '>= 0 and <= 1'),
   ],
 )

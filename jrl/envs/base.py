@@ -15,7 +15,8 @@ the environment returned, with a loss mask over the model's tokens only.
 
 `run_step` wraps `step` with the limits: an exception, a timeout, or output
 that is not a list of valid token ids ends the trajectory with a recorded
-reason instead of reaching the run.
+reason instead of reaching the run. `EnvPool.submit` does the same without
+waiting, so the sampler decodes other samples while a step runs.
 """
 
 import concurrent.futures
@@ -66,31 +67,104 @@ class Environment:
     return 0.0
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix='env')
-_POOL_LOCK = threading.Lock()
+class EnvPool:
+  """Environment steps on worker threads, so that decoding never waits for one.
+
+  `submit` returns at once with a `concurrent.futures.Future` that resolves
+  to `run_step`'s (Step or None, failure reason or None, message): the
+  step's answer, checked, or 'env_timeout' once `timeout_s` has passed since
+  the submission, whichever comes first. The sampler parks the sample whose
+  turn it answers (`Sampler.generate(on_turn_end=...)` returning a Future)
+  and decodes the other slots meanwhile.
+
+  A step that runs past its deadline keeps its thread (Python cannot stop a
+  thread) but ends only its own episode; the deadline counts from the
+  submission, so steps queued behind hung ones time out too rather than
+  waiting forever. Environments that can hang on untrusted input should run
+  it in a process, as the code tool does (`jrl.rewards.sandbox`).
+  """
+
+  def __init__(self, workers, name='env'):
+    if not isinstance(workers, int) or workers < 1:
+      raise ValueError(f'an EnvPool needs at least 1 worker, got {workers!r}.')
+    self.workers = workers
+    self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+    self._lock = threading.Lock()
+
+  def submit(self, env, turn_tokens, *, timeout_s, vocab_size, max_tokens):
+    """`env.step(turn_tokens)` in a worker; a Future of (Step | None, reason | None, message)."""
+    out = concurrent.futures.Future()
+    out.set_running_or_notify_cancel()
+
+    def settle(outcome):
+      try:
+        out.set_result(outcome)
+      except concurrent.futures.InvalidStateError:
+        pass  # the deadline (or the answer) came first
+
+    timer = threading.Timer(
+      timeout_s, settle, args=((None, 'env_timeout', f'no answer within {timeout_s} s'),)
+    )
+    timer.daemon = True
+    tokens = list(turn_tokens)
+
+    def work():
+      try:
+        outcome = check_step(env.step(tokens), vocab_size=vocab_size, max_tokens=max_tokens)
+      except Exception as e:
+        outcome = (None, 'env_error', f'{type(e).__name__}: {e}')
+      timer.cancel()
+      settle(outcome)
+
+    with self._lock:
+      timer.start()
+      self._executor.submit(work)
+    return out
+
+  @staticmethod
+  def then(future, fn):
+    """A Future of `fn(future.result())`, computed in the thread that settles
+    `future`; an exception in `fn` settles it too (a waiter never hangs)."""
+    out = concurrent.futures.Future()
+    out.set_running_or_notify_cancel()
+
+    def done(f):
+      try:
+        out.set_result(fn(f.result()))
+      except Exception as e:
+        out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
+
+  def close(self):
+    """Stops taking steps; running ones finish in their threads."""
+    self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_POOL = EnvPool(8)
 
 
 def run_step(env, turn_tokens, *, timeout_s, vocab_size, max_tokens):
-  """`env.step(turn_tokens)` with a deadline and checks.
+  """`env.step(turn_tokens)` with a deadline and checks, waited for.
 
   Returns:
-    (Step or None, failure reason or None). A None step ends the trajectory
-    with the reason: 'env_error' (it raised; the message is in the step
-    info of the caller's record), 'env_timeout', or 'env_invalid'.
+    (Step or None, failure reason or None, message). A None step ends the
+    trajectory with the reason: 'env_error' (it raised; the message says
+    what), 'env_timeout', or 'env_invalid'.
 
-  A step that runs past `timeout_s` keeps running in its thread (Python
-  cannot stop a thread); the trajectory does not wait for it. Environments
-  that can hang on untrusted input should run it in a process, as the code
-  tool does (`jrl.rewards.sandbox`).
+  The step runs on a worker thread of a shared `EnvPool`; see there for
+  what happens to a step past its deadline.
   """
-  with _POOL_LOCK:
-    future = _POOL.submit(env.step, list(turn_tokens))
-  try:
-    step = future.result(timeout=timeout_s)
-  except concurrent.futures.TimeoutError:
-    return None, 'env_timeout', f'no answer within {timeout_s} s'
-  except Exception as e:
-    return None, 'env_error', f'{type(e).__name__}: {e}'
+  return _POOL.submit(
+    env, turn_tokens, timeout_s=timeout_s, vocab_size=vocab_size, max_tokens=max_tokens
+  ).result()
+
+
+def check_step(step, *, vocab_size, max_tokens):
+  """`run_step`'s outcome for what `env.step` returned: (step, None, '') when
+  it is a Step of at most `max_tokens` valid token ids, else (None,
+  'env_invalid', what is wrong)."""
   if not isinstance(step, Step):
     return None, 'env_invalid', f'step returned {type(step).__name__}, not Step'
   tokens = step.tokens

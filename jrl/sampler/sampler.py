@@ -59,6 +59,8 @@ class SamplerStats:
   prefill_seconds: float = 0.0
   decode_seconds: float = 0.0
   env_turns: int = 0  # environment turns appended (multi-turn)
+  env_parked_peak: int = 0  # most samples waiting for an environment step at once
+  env_wait_seconds: float = 0.0  # time no sample could decode: all waited for environments
   prefill_calls: int = 0  # batched prefill calls (`prefills` counts prompts)
   compactions: int = 0  # dispatches that decoded fewer rows than slots (`compaction`)
   decode_steps: int = 0  # decode steps run, summed over dispatches
@@ -127,6 +129,8 @@ class Sampler:
       (`engine.generate_slots`), so that idle and finished slots cost no
       decode work; False decodes every slot every step.
   """
+
+  parks_turns = True  # `on_turn_end` may answer with a Future (`generate`)
 
   def __init__(
     self,
@@ -329,8 +333,11 @@ class Sampler:
         returns environment tokens to append (the sample then continues on
         its cached pages: the tokens are fed through the decode loop, the
         prefix is not recomputed), or a finish reason (str) to end the
-        sample. Environment tokens count towards `max_new_tokens` and must
-        fit `EngineConfig.max_forced_tokens`.
+        sample, or a `concurrent.futures.Future` of either: the sample is
+        then parked with its pages and the other slots keep decoding until
+        the Future is done (a sample's tokens depend on its seed and
+        position, not on when it resumed). Environment tokens count towards
+        `max_new_tokens` and must fit `EngineConfig.max_forced_tokens`.
 
     Returns:
       [len(requests)][G] Completion, in request order.
@@ -387,44 +394,53 @@ class Sampler:
         stats.prefills += len(rows)
         stats.prefill_calls += 1
 
-      start = time.perf_counter()
-      t_start = self.tracer.now()
-      active = len(sched.slot_owner)
-      max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
-      decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
-      # Idle and finished slots cost nothing: decode the occupied ones only.
-      index = sched.decode_index() if self.compaction else None
-      early = self.compaction and self.replicas == 1
-      if index is None:
-        width = sched.num_slots
-        state = self._generate(params, state, **decode, until_live=early * sched.sr // 2)
-      else:
-        width = index.size
-        until_live = early * index.shape[1] // 2
-        state = self._generate_slots(params, state, index, **decode, until_live=until_live)
-        stats.compactions += 1
-      done, free_top, held, gen = (
-        np.asarray(a).reshape(-1)
-        for a in _host((state.done, state.free_top, state.num_pages, state.num_generated))
-      )
-      steps_run = sched.decoded(held, gen)
-      stats.decode_steps += steps_run
-      stats.decode_rows += width * steps_run
-      stats.decode_seconds += time.perf_counter() - start
-      self.tracer.add(
-        'decode',
-        t_start,
-        self.tracer.now(),
-        'sampler',
-        active=active,
-        rows=width,
-        steps=steps_run,
-        max_pages=int(max_pages),
-      )
-      stats.dispatches += 1
-      stats.peak_pages = max(stats.peak_pages, int(np.sum(sched.capacity - free_top)))
+      finished = []
+      if sched.decodable:
+        start = time.perf_counter()
+        t_start = self.tracer.now()
+        active = len(sched.slot_owner)
+        max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
+        decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
+        # Idle and finished slots cost nothing: decode the occupied ones only.
+        index = sched.decode_index() if self.compaction else None
+        early = self.compaction and self.replicas == 1
+        if index is None:
+          width = sched.num_slots
+          state = self._generate(params, state, **decode, until_live=early * sched.sr // 2)
+        else:
+          width = index.size
+          until_live = early * index.shape[1] // 2
+          state = self._generate_slots(params, state, index, **decode, until_live=until_live)
+          stats.compactions += 1
+        done, free_top, held, gen = (
+          np.asarray(a).reshape(-1)
+          for a in _host((state.done, state.free_top, state.num_pages, state.num_generated))
+        )
+        steps_run = sched.decoded(held, gen)
+        stats.decode_steps += steps_run
+        stats.decode_rows += width * steps_run
+        stats.decode_seconds += time.perf_counter() - start
+        self.tracer.add(
+          'decode',
+          t_start,
+          self.tracer.now(),
+          'sampler',
+          active=active,
+          rows=width,
+          steps=steps_run,
+          max_pages=int(max_pages),
+        )
+        stats.dispatches += 1
+        stats.peak_pages = max(stats.peak_pages, int(np.sum(sched.capacity - free_top)))
 
-      finished = [s for s in sched.slot_owner if done[s]]
+        finished = sched.finished(done)
+      else:  # every sample waits for its environment: nothing to decode
+        start = time.perf_counter()
+        with self.tracer.span('env_wait', 'sampler', parked=len(sched.parked)):
+          sched.wait_parked()
+        stats.env_wait_seconds += time.perf_counter() - start
+      answers = sched.unparked()
+      finished += list(answers)
       if not finished:
         continue
       # Whole [R, S/R, ...] arrays, indexed on the host: indexing on the device
@@ -437,8 +453,9 @@ class Sampler:
         )
       )
       continuing, finished, tokens = sched.retire(
-        finished, out_tokens, out_logp, num_gen, reasons, on_turn_end
+        finished, out_tokens, out_logp, num_gen, reasons, on_turn_end, answers
       )
+      stats.env_parked_peak = max(stats.env_parked_peak, len(sched.parked))
       stats.generated_tokens += tokens
       if continuing:
         state = self._resume(state, *sched.resume_args(continuing))

@@ -16,6 +16,7 @@ dispatches the device programs it asks for.
 """
 
 import collections
+import concurrent.futures
 import math
 from typing import NamedTuple
 
@@ -107,10 +108,38 @@ class Scheduler:
     self.held_pages = np.zeros(replicas * sr, np.int32)  # host copy of state.num_pages
     self.env_spans = collections.defaultdict(list)  # slot -> [(start, end)] of env tokens
     self.generated = np.zeros(replicas * sr, np.int64)  # host copy of state.num_generated
+    # Parked slots: a turn ended and the environment's answer is a Future
+    # still running. The slot keeps its pages and is not decoded until then.
+    self.parked = {}  # global slot -> concurrent.futures.Future
 
   @property
   def busy(self):
     return bool(self.pending or self.slot_owner)
+
+  @property
+  def decodable(self):
+    """Some slot holds a sample that is neither finished nor parked (or
+    will, once admitted)."""
+    return len(self.slot_owner) > len(self.parked)
+
+  def finished(self, done):
+    """The slots whose samples stopped in the last dispatch (`done`: the
+    [R·sr] host copy of state.done), parked ones left out."""
+    return [s for s in self.slot_owner if done[s] and s not in self.parked]
+
+  def wait_parked(self):
+    """Blocks until some parked slot's answer has arrived (nothing else can
+    move: no slot to decode, nothing admissible)."""
+    futures = list(self.parked.values())
+    concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+
+  def unparked(self):
+    """{slot: the environment's answer} of the parked slots whose answers
+    arrived; they leave the parked set (`retire` takes them)."""
+    ready = {s: f.result() for s, f in self.parked.items() if f.done()}
+    for s in ready:
+      del self.parked[s]
+    return ready
 
   @property
   def num_slots(self):
@@ -164,7 +193,8 @@ class Scheduler:
     num_r, sr = self.num_r, self.sr
     live = [[] for _ in range(num_r)]
     for s in sorted(self.slot_owner):
-      live[s // sr].append(s % sr)
+      if s not in self.parked:
+        live[s // sr].append(s % sr)
     width = pow2_at_least(max(len(x) for x in live))
     if width >= sr:
       return None
@@ -183,23 +213,38 @@ class Scheduler:
     self.generated = gen
     return steps_run
 
-  def retire(self, finished, out_tokens, out_logp, num_gen, reasons, on_turn_end):
+  def retire(self, finished, out_tokens, out_logp, num_gen, reasons, on_turn_end, answers=None):
     """Records the samples of the `finished` slots (row k of the [F, ...]
     arrays for slot finished[k]) or, in a multi-turn run, queues the
     environment's tokens for them.
+
+    A turn's end asks `on_turn_end` for the environment's answer, or takes
+    it from `answers` ({slot: answer} of unparked slots). An answer that is
+    a Future still running parks the slot (`parked`): it keeps its pages
+    and is neither continued nor freed until the answer arrives.
 
     Returns ({slot: environment tokens} to resume, the slots to free, the
     tokens of the completions recorded).
     """
     cfg = self.cfg
-    continuing = {}
+    answers = answers or {}
+    continuing, parked = {}, []
     tokens = 0
     for row, slot in enumerate(finished):
       i, g, group, private = self.slot_owner[slot]
       n_out = int(num_gen[row])
       reason = FINISH_REASONS[int(reasons[row])]
       if on_turn_end is not None and reason == 'stop':
-        answer = on_turn_end(i, g, out_tokens[row, :n_out].copy())
+        if slot in answers:
+          answer = answers[slot]
+        else:
+          answer = on_turn_end(i, g, out_tokens[row, :n_out].copy())
+          if isinstance(answer, concurrent.futures.Future):
+            if not answer.done():
+              self.parked[slot] = answer
+              parked.append(slot)
+              continue
+            answer = answer.result()
         if not isinstance(answer, str):
           env = list(answer)
           room = self.max_new[i][g] - n_out - 1  # one model token after them
@@ -231,7 +276,8 @@ class Scheduler:
         del self.groups[group]
       else:
         self.groups[group][2] = left - 1
-    return continuing, [s for s in finished if s not in continuing], tokens
+    done = [s for s in finished if s not in continuing and s not in parked]
+    return continuing, done, tokens
 
   def resume_args(self, continuing):
     """`engine.resume`'s slot mask [R, sr], forced tokens [R, sr, F] and

@@ -69,7 +69,12 @@ class Engine(Protocol):
     tokens, their logprobs under the distribution sampled from, the finish
     reason, and for multi-turn (`on_turn_end`) which tokens an environment
     appended. Each `jrl.sampler.Request` carries its own sampling controls
-    and seed; an engine that cannot honour one raises ValueError naming it."""
+    and seed; an engine that cannot honour one raises ValueError naming it.
+
+    An engine with `parks_turns = True` (jrl's sampler) also takes a
+    `concurrent.futures.Future` of the answer from `on_turn_end`: it parks
+    that sample and decodes the others until the answer arrives. Without it,
+    `on_turn_end` answers directly."""
     ...
 
 

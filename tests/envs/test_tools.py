@@ -134,3 +134,35 @@ def test_python_tool_runs_in_the_sandbox():
   env.reset({'prompt': 'q', 'answer': '8'})
   step = env.step(TOK.encode('{python:print(2**3)}'))
   assert TOK.decode(step.tokens) == '[8]' and step.info == {'tool_calls': 1}
+
+
+def test_env_pool_answers_without_waiting_and_a_hung_step_ends_only_its_own_episode():
+  from jrl.envs import EnvPool
+
+  pool = EnvPool(4)
+  limits = dict(timeout_s=0.5, vocab_size=100, max_tokens=8)
+  start = time.perf_counter()
+  hung = pool.submit(Scripted(lambda t: time.sleep(3)), [1], **limits)
+  raising = pool.submit(Scripted(lambda t: 1 / 0), [1], **limits)
+  good = [pool.submit(Scripted(lambda t, k=k: Step([k])), [1], **limits) for k in range(6)]
+  assert time.perf_counter() - start < 0.2  # submitting never waits for a step
+  assert [f.result(timeout=2)[0].tokens for f in good] == [[k] for k in range(6)]
+  assert raising.result(timeout=2)[1:] == ('env_error', 'ZeroDivisionError: division by zero')
+  assert not hung.done()
+  step, reason, message = hung.result(timeout=2)
+  assert step is None and reason == 'env_timeout' and '0.5 s' in message
+  assert time.perf_counter() - start < 2.0  # the hung step was not waited for
+  pool.close()
+
+
+def test_env_pool_deadline_counts_from_submission_so_queued_steps_cannot_wait_forever():
+  from jrl.envs import EnvPool
+
+  pool = EnvPool(1)  # one worker, taken by a hung step
+  limits = dict(timeout_s=0.3, vocab_size=100, max_tokens=8)
+  pool.submit(Scripted(lambda t: time.sleep(3)), [1], **limits)
+  queued = pool.submit(Scripted(lambda t: Step([5])), [1], **limits)
+  assert queued.result(timeout=2)[1] == 'env_timeout'
+  pool.close()
+  with pytest.raises(ValueError, match='at least 1 worker'):
+    EnvPool(0)

@@ -205,3 +205,17 @@ def test_sampler_bench_against_transformers_generate(tiny_smollm2, capsys):
     assert ratio in out, out
   with pytest.raises(SystemExit, match='--baseline hf needs --model_path'):
     bench.main(['sampler', '--size', 'cpu-tiny', '--baseline', 'hf', *SAMPLER_TINY])
+
+
+def test_envs_bench_runs_inline_pooled_and_no_wait_on_the_same_trajectories(tmp_path, capsys):
+  out_path = tmp_path / 'envs.json'
+  argv = ['envs', '--size', 'cpu-tiny', '--prompts', '2', '--group', '2', '--max_new', '32']
+  bench.main(argv + ['--env_ms', '20', '--repeats', '1', '--turn_len', '8', '--out', str(out_path)])
+  out = capsys.readouterr().out
+  assert 'pooled / inline: x' in out
+  figures = json.loads(out_path.read_text())['figures']
+  assert set(figures) == {'inline', 'pooled', 'no wait', 'pooled_over_inline'}
+  ways = [figures[k] for k in ('inline', 'pooled', 'no wait')]
+  assert all(f['same_trajectories'] and f['model_tokens'] > 0 for f in ways)
+  assert len({f['env_steps'] for f in ways}) == 1 and ways[0]['env_steps'] > 0
+  assert figures['inline']['parked_peak'] == 0 and figures['pooled']['parked_peak'] >= 1

@@ -8,6 +8,8 @@ same tokens (and logprobs to float tolerance), without recomputing the
 prefix.
 """
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -130,3 +132,107 @@ def test_single_turn_sampling_is_unchanged_by_the_multiturn_state():
   # Without on_turn_end the forced-token queue stays empty: same tokens as before.
   c = greedy(PROMPTS[1])
   assert c.env_mask is None and c.finish_reason == 'length' and len(c.tokens) == MAX_NEW
+
+
+# Parked samples: the environment's answer as a Future (`jrl.envs.EnvPool`).
+
+
+def _turn_requests():
+  stops = [stop_token_for(p) for p in PROMPTS]
+  return [
+    Request(prompt=p, max_new_tokens=MAX_NEW, temperature=1.0, stop_tokens=(s,), seed=11 + k)
+    for k, (p, s) in enumerate(zip(PROMPTS, stops, strict=True))
+  ]
+
+
+def _answer(i, g, tokens):
+  """A deterministic environment: its answer depends on the turn only."""
+  n = int(np.sum(tokens)) % 3
+  return ENV[: 1 + n] if len(tokens) < MAX_NEW - 8 else 'done'
+
+
+def _same(got, want):
+  for gg, wg in zip(got, want, strict=True):
+    for a, b in zip(gg, wg, strict=True):
+      np.testing.assert_array_equal(a.tokens, b.tokens)
+      np.testing.assert_array_equal(a.env_mask, b.env_mask)
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+      assert a.finish_reason == b.finish_reason
+
+
+def test_parked_samples_sample_what_inline_answers_sample():
+  import concurrent.futures
+  import random
+  import threading
+
+  requests = _turn_requests()
+  want = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=_answer)
+  inline_turns = SAMPLER.stats.env_turns
+  pool = concurrent.futures.ThreadPoolExecutor(4)
+  rng, lock = random.Random(0), threading.Lock()
+
+  def later(i, g, tokens):
+    with lock:
+      delay = rng.choice([0.0, 0.01, 0.05, 0.2])
+
+    def answer():
+      time.sleep(delay)
+      return _answer(i, g, tokens)
+
+    return pool.submit(answer)
+
+  got = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=later)
+  pool.shutdown()
+  _same(got, want)
+  stats = SAMPLER.stats
+  assert stats.env_turns == inline_turns > 0
+  assert stats.env_parked_peak >= 2  # several samples waited at once
+  assert stats.pages_free_at_end == ECFG.num_pages - 1 and stats.pages_referenced_at_end == 0
+  assert stats.slots_active_at_end == 0
+
+
+def test_other_samples_keep_decoding_while_one_waits_for_its_environment():
+  import concurrent.futures
+
+  # Request 0's first turn is answered only once two more decode dispatches
+  # have run: they run only if the other samples decode while request 0 is
+  # parked (inline, the sampler's loop would be blocked on it and the wait
+  # would time out).
+  requests = _turn_requests()
+  pool = concurrent.futures.ThreadPoolExecutor(4)
+  seen = {}
+
+  def wait_for_dispatches():
+    deadline = time.perf_counter() + 30
+    while time.perf_counter() < deadline:
+      if SAMPLER.stats.dispatches >= seen['parked_at'] + 2:
+        seen['answered_at'] = SAMPLER.stats.dispatches
+        return ENV[:2]
+      time.sleep(0.002)
+    return 'env_timeout'
+
+  def on_turn_end(i, g, tokens):
+    if (i, g) == (0, 0) and 'parked_at' not in seen:
+      seen['parked_at'] = SAMPLER.stats.dispatches
+      return pool.submit(wait_for_dispatches)
+    return _answer(i, g, tokens)
+
+  groups = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=on_turn_end)
+  pool.shutdown()
+  first = groups[0][0]
+  assert first.finish_reason != 'env_timeout'
+  assert seen['answered_at'] >= seen['parked_at'] + 2
+  assert first.env_mask.any()  # it continued after its environment answered
+  assert SAMPLER.stats.env_parked_peak >= 1
+
+
+def test_an_answer_that_raises_reaches_the_caller():
+  import concurrent.futures
+
+  def broken(i, g, tokens):
+    future = concurrent.futures.Future()
+    future.set_exception(RuntimeError('bug in the answer'))
+    return future
+
+  with pytest.raises(RuntimeError, match='bug in the answer'):
+    SAMPLER.generate(PARAMS, _turn_requests(), group_size=2, on_turn_end=broken)

@@ -6,6 +6,7 @@ it returned and the trainer's batch to see what it trained on.
 """
 
 import itertools
+import random
 import time
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 from configs import agent_arith
 from configs import common as config_common
 from jrl import trainers
-from jrl.envs import Step
+from jrl.envs import EnvPool, Step
 from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
 from jrl.trainers import controller, episodes, ppo
@@ -85,13 +86,13 @@ def agent_run(tmp_path_factory):
   recorder = Recorder(mp)
   workdir = tmp_path_factory.mktemp('agent')
   job = trainers.build(agent_config(workdir, {'agent.sft_tool_frac': 0.9}))
-  controller.train(job)
+  state = controller.train(job)
   mp.undo()
-  return job, recorder, read_jsonl(f'{workdir}/metrics.jsonl')
+  return job, recorder, read_jsonl(f'{workdir}/metrics.jsonl'), state
 
 
 def test_trainer_sees_exactly_the_sampled_and_environment_tokens(agent_run):
-  job, recorder, _ = agent_run
+  job, recorder, _, _ = agent_run
   assert recorder.env_answers, 'no tool was called: the test would be vacuous'
   answers = {tuple(turn): env for turn, env in recorder.env_answers}
   tok = job.resources.tokenizer
@@ -127,7 +128,7 @@ def test_trainer_sees_exactly_the_sampled_and_environment_tokens(agent_run):
 
 
 def test_episode_metrics_are_logged(agent_run):
-  _, _, records = agent_run
+  _, _, records, _ = agent_run
   rl = [r for r in records if r.get('phase') == 1.0]
   assert len(rl) == 2
   for key in ('env/turns', 'env/tool_calls', 'env/tool_failures', 'env/invalid_calls',
@@ -136,6 +137,49 @@ def test_episode_metrics_are_logged(agent_run):
   assert sum(r['env/turns'] for r in rl) > 0  # environment turns happened
   finish = sum(v for k, v in rl[-1].items() if k.startswith('env/finish/'))
   assert finish == pytest.approx(1.0)
+
+
+def test_pooled_environments_give_the_trajectories_of_inline_stepping(agent_run, monkeypatch):
+  # A deterministic environment whose steps take random times: parked
+  # samples resume in another order and other dispatches than inline ones,
+  # and every trajectory is the same.
+  job, _, _, state = agent_run
+  worker = job.topology.worker
+  assert worker.parking and worker.pool.workers == job.resources.config.agent.env_workers == 16
+  monkeypatch.setattr(worker, 'pool', EnvPool(16))  # the run closed its own
+  rng = random.Random(0)
+
+  def slow_env(tokenizer):
+    env = make_arith_env(tokenizer)
+    step = env.step
+
+    def slow_step(turn):
+      time.sleep(rng.choice([0.0, 0.02, 0.1]))
+      return step(turn)
+
+    env.step = slow_step
+    return env
+
+  monkeypatch.setattr(worker, 'make_env', slow_env)
+  examples = worker.held_out[:4]
+
+  def episodes_with(parking):
+    monkeypatch.setattr(worker, 'parking', parking)
+    _, results = worker.run_episodes(
+      state.params, examples, group_size=4, greedy=False, iteration=9, version=9
+    )
+    return [pair for row in results for pair in row], worker.engine.stats
+
+  inline, inline_stats = episodes_with(False)
+  pooled, pooled_stats = episodes_with(True)
+  assert inline_stats.env_turns == pooled_stats.env_turns > 0
+  assert inline_stats.env_parked_peak == 0 and pooled_stats.env_parked_peak >= 1
+  for (a, ea), (b, eb) in zip(pooled, inline, strict=True):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.env_mask, b.env_mask)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    assert (a.finish_reason, ea.reason, ea.turns) == (b.finish_reason, eb.reason, eb.turns)
+    assert (ea.reward, dict(ea.info)) == (eb.reward, dict(eb.info))
 
 
 class Flaky:
