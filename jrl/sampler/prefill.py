@@ -106,3 +106,13 @@ def prefill(graphdef, params, tokens_Pb, length, chunk=None):
   lengths_B = jnp.reshape(jnp.asarray(length, jnp.int32), (1,))
   batch = prefill_batch(graphdef, params, tokens_Pb[None], lengths_B, chunk)
   return jax.tree.map(lambda x: x[0], batch)
+
+
+def default_buckets(max_prompt_len, smallest=16):
+  """Powers of two from `smallest` up to and including `max_prompt_len`."""
+  buckets, b = [], smallest
+  while b < max_prompt_len:
+    buckets.append(b)
+    b *= 2
+  buckets.append(max_prompt_len)
+  return tuple(buckets)

@@ -73,6 +73,9 @@ class Completion(NamedTuple):
   logprobs: np.ndarray  # [n] float32 under the distribution sampled from (0 on env tokens)
   finish_reason: str  # 'stop' | 'length' | what `on_turn_end` reported
   env_mask: np.ndarray | None = None  # [n] bool: tokens the environment appended (multi-turn)
+  # [n] int32: the policy version that produced each token (partial rollouts,
+  # `generate(weights_at=...)`); None when one version produced them all.
+  versions: np.ndarray | None = None
 
 
 @jax.jit

@@ -27,7 +27,6 @@ Compiled programs: `enable_compilation_cache(workdir + '/xla_cache')` once at
 start-up keeps them on disk, so a restarted run loads instead of compiling.
 """
 
-import dataclasses
 import time
 
 import jax
@@ -38,48 +37,11 @@ from jax.experimental import multihost_utils
 from jrl import trace
 from jrl.sampler import engine
 from jrl.sampler.engine import EngineConfig
-from jrl.sampler.requests import (
-  Completion,
-  Request,
-  check_requests,
-  slot_request,
-)
-from jrl.sampler.scheduler import Scheduler, pack_admissions
+from jrl.sampler.prefill import default_buckets
+from jrl.sampler.refresh import refresh_kv
+from jrl.sampler.requests import Completion, Request, check_requests, slot_request
+from jrl.sampler.scheduler import SamplerStats, Scheduler, pack_admissions
 from jrl.sampler.state import state_shardings
-
-
-@dataclasses.dataclass
-class SamplerStats:
-  """Figures of the last `generate` call."""
-
-  prefills: int = 0
-  dispatches: int = 0
-  generated_tokens: int = 0
-  peak_pages: int = 0  # most pages in use at once (scratch page excluded)
-  prefill_seconds: float = 0.0
-  decode_seconds: float = 0.0
-  env_turns: int = 0  # environment turns appended (multi-turn)
-  env_parked_peak: int = 0  # most samples waiting for an environment step at once
-  env_wait_seconds: float = 0.0  # time no sample could decode: all waited for environments
-  prefill_calls: int = 0  # batched prefill calls (`prefills` counts prompts)
-  compactions: int = 0  # dispatches that decoded fewer rows than slots (`compaction`)
-  decode_steps: int = 0  # decode steps run, summed over dispatches
-  decode_rows: int = 0  # rows run through the model: the sum of rows x steps per dispatch
-  # The pool when the call ended, summed over replicas: every page is back
-  # on its free stack and no slot holds a sequence when nothing leaked.
-  pages_free_at_end: int = 0  # pages on the free stacks (scratch pages excluded)
-  pages_referenced_at_end: int = 0  # pages some slot still references
-  slots_active_at_end: int = 0
-
-
-def default_buckets(max_prompt_len, smallest=16):
-  """Powers of two from `smallest` up to and including `max_prompt_len`."""
-  buckets, b = [], smallest
-  while b < max_prompt_len:
-    buckets.append(b)
-    b *= 2
-  buckets.append(max_prompt_len)
-  return tuple(buckets)
 
 
 def enable_compilation_cache(directory):
@@ -240,6 +202,11 @@ class Sampler:
     )
     self._free = jax.jit(per_replica(engine.free), donate_argnums=(0,), **out)
     self._resume = jax.jit(per_replica(engine.resume), donate_argnums=(0,), **out)
+
+    def refresh(params, state, tokens):
+      return per_replica(lambda st, t: refresh_kv(graphdef, params, st, t, rcfg))(state, tokens)
+
+    self._refresh = jax.jit(refresh, donate_argnums=(1,), **out)
     self._init = jax.jit(self._init_replicas, **out)
 
   def _per_replica(self, f):
@@ -294,6 +261,21 @@ class Sampler:
       truncate=truncate,
     )
 
+  def _swap(self, state, sched, weights, version, kv_on_swap):
+    """Partial rollouts: `weights` of `version` from now on; the samples in
+    flight keep or recompute their cache (`generate(kv_on_swap=...)`)."""
+    start = time.perf_counter()
+    sched.swap(version)
+    self.stats.weight_swaps += 1
+    if kv_on_swap == 'recompute' and sched.slot_owner:
+      (out_tokens,) = _host((state.out_tokens,))
+      cap = self.cfg.max_prompt_len + self.cfg.max_new_tokens
+      tokens = sched.refresh_tokens(np.asarray(out_tokens).reshape(sched.num_slots, -1), cap)
+      state = self._refresh(weights, state, tokens)
+      jax.block_until_ready(state.k_pages)
+    self.stats.swap_seconds += time.perf_counter() - start
+    return weights, state
+
   # The engine contract (jrl.trainers.contracts.Engine) --------------------------
 
   def load_weights(self, params, version):
@@ -315,7 +297,16 @@ class Sampler:
   # The loop ------------------------------------------------------------------
 
   def generate(
-    self, params, requests, *, group_size=1, share_prompt=True, state=None, on_turn_end=None
+    self,
+    params,
+    requests,
+    *,
+    group_size=1,
+    share_prompt=True,
+    state=None,
+    on_turn_end=None,
+    weights_at=None,
+    kv_on_swap='keep',
   ):
     """Samples `group_size` completions for every request.
 
@@ -338,6 +329,16 @@ class Sampler:
         the Future is done (a sample's tokens depend on its seed and
         position, not on when it resumed). Environment tokens count towards
         `max_new_tokens` and must fit `EngineConfig.max_forced_tokens`.
+      weights_at: partial rollouts. Called as `weights_at(d)` before the
+        d-th decode dispatch (and its admissions); returns None to keep the
+        weights, or (weights, version) to decode with those from then on,
+        samples in flight included. Every Completion then has `versions`,
+        the version that produced each token (`params` is version
+        `self.version`, as `load_weights` was given).
+      kv_on_swap: what happens to the cache of samples in flight when the
+        weights change: 'keep' (the next tokens attend to keys and values
+        of the old weights) or 'recompute' (every sequence so far is
+        prefilled again with the new weights; `jrl.sampler.refresh`).
 
     Returns:
       [len(requests)][G] Completion, in request order.
@@ -360,6 +361,8 @@ class Sampler:
       self.slots_per_replica,
       self.replicas,
     )
+    if kv_on_swap not in ('keep', 'recompute'):
+      raise ValueError(f"`kv_on_swap` must be 'keep' or 'recompute', got {kv_on_swap!r}.")
     cfg = self.cfg
     self.stats = stats = SamplerStats()
     state = self.init_state() if state is None else state
@@ -373,8 +376,12 @@ class Sampler:
       self.slots_per_replica,
       self.max_prefill_batch,
     )
+    sched.version, sched.track_versions = self.version, weights_at is not None
 
     while sched.busy:
+      new = None if weights_at is None else weights_at(stats.dispatches)
+      if new is not None and new[1] != sched.version:
+        params, state = self._swap(state, sched, *new, kv_on_swap)
       # Admit what fits, in order, each group into the replica with most idle slots.
       admitted = sched.admit(self._slot_request)
       if any(admitted):

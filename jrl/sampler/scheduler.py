@@ -17,6 +17,7 @@ dispatches the device programs it asks for.
 
 import collections
 import concurrent.futures
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -26,6 +27,32 @@ import numpy as np
 from jrl.sampler.pages import group_pages
 from jrl.sampler.requests import Completion
 from jrl.sampler.state import FINISH_REASONS
+
+
+@dataclasses.dataclass
+class SamplerStats:
+  """Figures of the last `generate` call."""
+
+  prefills: int = 0
+  dispatches: int = 0
+  generated_tokens: int = 0
+  peak_pages: int = 0  # most pages in use at once (scratch page excluded)
+  prefill_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  env_turns: int = 0  # environment turns appended (multi-turn)
+  env_parked_peak: int = 0  # most samples waiting for an environment step at once
+  env_wait_seconds: float = 0.0  # time no sample could decode: all waited for environments
+  weight_swaps: int = 0  # partial rollouts: new weights taken between dispatches
+  swap_seconds: float = 0.0  # ... and the time it took (recomputing the cache, if so)
+  prefill_calls: int = 0  # batched prefill calls (`prefills` counts prompts)
+  compactions: int = 0  # dispatches that decoded fewer rows than slots (`compaction`)
+  decode_steps: int = 0  # decode steps run, summed over dispatches
+  decode_rows: int = 0  # rows run through the model: the sum of rows x steps per dispatch
+  # The pool when the call ended, summed over replicas: every page is back
+  # on its free stack and no slot holds a sequence when nothing leaked.
+  pages_free_at_end: int = 0  # pages on the free stacks (scratch pages excluded)
+  pages_referenced_at_end: int = 0  # pages some slot still references
+  slots_active_at_end: int = 0
 
 
 def pow2_at_least(n):
@@ -111,6 +138,11 @@ class Scheduler:
     # Parked slots: a turn ended and the environment's answer is a Future
     # still running. The slot keeps its pages and is not decoded until then.
     self.parked = {}  # global slot -> concurrent.futures.Future
+    # Partial rollouts: the version the weights in use have, and for each slot
+    # [(first token index, version)] of the versions that produced its tokens.
+    self.version = None
+    self.version_marks = {}  # global slot -> [(token index, version)]
+    self.track_versions = False
 
   @property
   def busy(self):
@@ -180,8 +212,42 @@ class Scheduler:
         self.slot_owner[slot] = (i, g, self.next_group, private)
         self.held_pages[slot] = -(-n // cfg.page_size)
         self.generated[slot] = 1  # insert samples the first token
+        self.version_marks[slot] = [(0, self.version)]
       self.next_group += 1
     return admitted
+
+  def swap(self, version):
+    """New weights, of `version`, from the next dispatch on: every sample in
+    flight produces its next tokens with them."""
+    self.version = version
+    for slot in self.slot_owner:
+      self.version_marks[slot].append((int(self.generated[slot]), version))
+
+  def refresh_tokens(self, out_tokens, cap):
+    """[R, sr, W] int32: each active slot's prompt then its generated tokens
+    (`out_tokens`: the [R·sr, max_new] host copy of state.out_tokens), for
+    `refresh.refresh_kv`; W the power of two that holds the longest (at
+    most `cap`), so a few programs serve every swap."""
+    longest = max(
+      len(self.requests[i].prompt) + int(self.generated[slot])
+      for slot, (i, _, _, _) in self.slot_owner.items()
+    )
+    width = min(pow2_at_least(longest), cap)
+    tokens = np.zeros((self.num_r * self.sr, width), np.int32)
+    for slot, (i, _, _, _) in self.slot_owner.items():
+      seq = np.concatenate([self.requests[i].prompt, out_tokens[slot, : self.generated[slot]]])
+      tokens[slot, : min(width, len(seq))] = seq[:width]
+    return tokens.reshape(self.num_r, self.sr, width)
+
+  def _versions(self, slot, n):
+    """[n] int32: the version of each of the slot's tokens."""
+    marks = self.version_marks.pop(slot)
+    if not self.track_versions:
+      return None
+    out = np.empty(n, np.int32)
+    for start, version in marks:
+      out[start:] = -1 if version is None else version
+    return out
 
   def decode_index(self):
     """The slots the next dispatch decodes: an [R, Sc] int32 array of local
@@ -267,6 +333,7 @@ class Scheduler:
         logprobs=out_logp[row, :n_out].copy(),
         finish_reason=reason,
         env_mask=env_mask,
+        versions=self._versions(slot, n_out),
       )
       tokens += n_out
       k, shared, left = self.groups[group]
