@@ -428,6 +428,13 @@ def topology_section():
   s.is_mode = 'truncate'  # 'truncate': min(w, is_cap) | 'mask': w in [is_low, is_cap], else 0
   s.is_cap = 2.0  # the upper bound
   s.is_low = 0.0  # mask: the lower bound (0: 1 / is_cap)
+  # async: partial rollouts. A rollout moves to newer policy versions while it
+  # decodes: one version more every `swap_every` decode dispatches, up to the
+  # version that trains on it (waiting for it if the update has not made it yet);
+  # every token keeps the version that produced it and its logprob.
+  s.partial_rollouts = False
+  s.swap_every = 4  # decode dispatches per version step
+  s.kv_on_swap = 'recompute'  # samples in flight: 'recompute' their cache, or 'keep' it
   return s
 
 

@@ -474,6 +474,7 @@ class Sampler:
     stats.pages_free_at_end = int(np.sum(free_top))
     stats.pages_referenced_at_end = int(np.count_nonzero(refcount))
     stats.slots_active_at_end = int(np.count_nonzero(active))
+    self.stats = stats  # an evaluation run while a partial rollout waited replaced it
     return sched.results
 
 

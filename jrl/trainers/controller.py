@@ -120,6 +120,10 @@ def _meta(job, progress):
     'rl_started': progress.rl_started,
     'pending_rollout': behaviour is not None,
     'rollouts_in_flight': job.topology.in_flight() if job.topology is not None else [],
+    # The versions saved as `behaviour` ({'v<version>': params}), oldest first.
+    'behaviour_versions': sorted(behaviour, key=lambda v: int(v[1:]))
+    if isinstance(behaviour, dict)
+    else None,
     'config': json.loads(job.resources.config.to_json_best_effort()),
   }
 

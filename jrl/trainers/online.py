@@ -389,6 +389,7 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
   metrics.update(advantage_metrics(adv, generated.batch.loss_mask))
   if algorithm.after is not None:
     state = algorithm.after(state, generated, metrics)
+  topo.publish(state.params, it + 1)  # partial rollouts in flight may move to it
   metrics['time/update'] = t_update
   metrics['time/step'] = time.perf_counter() - t_step
   metrics['throughput/update_tokens_per_s'] = rl.epochs * generated.num_tokens / max(t_update, 1e-9)

@@ -222,7 +222,7 @@ class RolloutWorker:
       padded[row, 1 : 1 + len(ids)] = ids
     return [list(r[1 : 1 + r[0]]) for r in distributed.gather_rows(padded)]
 
-  def _generate(self, prompt_ids, draw, params, iteration, version):
+  def _generate(self, prompt_ids, draw, params, iteration, version, options):
     sp = self.config.sampling
     requests = [
       sampler.Request(
@@ -239,7 +239,9 @@ class RolloutWorker:
     ]
     with self.lock:
       weights = self.engine.load_weights(params, version)
-      groups = self.engine.generate(weights, requests, group_size=self.config.rl.group_size)
+      groups = self.engine.generate(
+        weights, requests, group_size=self.config.rl.group_size, **options
+      )
     return requests, groups
 
   def _score(self, examples, groups):
@@ -286,11 +288,13 @@ class RolloutWorker:
 
   # The interface ----------------------------------------------------------------
 
-  def sample(self, params, iteration, version=None):
+  def sample(self, params, iteration, version=None, **options):
     """Generates and scores one batch of groups; returns a Rollout of host arrays.
 
     `iteration` seeds the sampling (the iteration that will train on it);
-    `version` is the iteration whose parameters `params` are (default: the same).
+    `version` is the iteration whose parameters `params` are (default: the
+    same); `options` go to the engine's `generate` (partial rollouts:
+    `weights_at`, `kv_on_swap`).
 
     DAPO's dynamic sampling drops groups whose rewards are all equal (no
     signal) and draws more prompts until `prompts_per_step` groups are kept;
@@ -314,7 +318,7 @@ class RolloutWorker:
       prompt_ids = self._gather_prompts([self.encoder.prompt_ids(ex['prompt']) for ex in examples])
       start = time.perf_counter()
       with self.tracer.span('generate', iteration=iteration, draw=draw):
-        requests, groups = self._generate(prompt_ids, draw, params, iteration, version)
+        requests, groups = self._generate(prompt_ids, draw, params, iteration, version, options)
       t_gen += time.perf_counter() - start
       gen_tokens += sum(len(c.tokens) for grp in groups for c in grp)
       start = time.perf_counter()
@@ -371,4 +375,27 @@ class RolloutWorker:
     metrics['time/generate'] = t_gen
     metrics['time/reward'] = t_reward
     metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
+    metrics.update(version_metrics(completions, iteration))
     return Rollout(batch, old_logp, rewards_np, version, metrics)
+
+
+def version_metrics(completions, iteration):
+  """Partial rollouts (`Completion.versions`): the share of the model's
+  tokens at each staleness s = iteration - version (`rollout/token_staleness/s`,
+  the tokens per version), their mean, and the most versions one sample
+  holds. {} when every token comes from the rollout's one version."""
+  if not completions or completions[0].versions is None:
+    return {}
+  stale = np.concatenate(
+    [
+      iteration - c.versions[~c.env_mask] if c.env_mask is not None else iteration - c.versions
+      for c in completions
+    ]
+  )
+  metrics = {'rollout/token_staleness_mean': float(stale.mean()) if stale.size else 0.0}
+  for s in range(int(stale.max()) + 1 if stale.size else 0):
+    metrics[f'rollout/token_staleness/{s}'] = float(np.mean(stale == s))
+  metrics['rollout/versions_per_sample_max'] = float(
+    max(len(np.unique(c.versions)) for c in completions)
+  )
+  return metrics

@@ -26,6 +26,7 @@ A remote rollout is one more class with these methods.
 import collections
 import concurrent.futures
 import contextlib
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -133,6 +134,10 @@ class Colocated:
   def in_flight(self):
     return []
 
+  def publish(self, params, version):
+    """After an update (partial rollouts only, `StepsOff`)."""
+    del params, version
+
   def restore(self, checkpointer, step, meta, params):
     del checkpointer, step, meta, params
 
@@ -198,8 +203,14 @@ class StepsOff:
   streams' states from before the oldest rollout in flight drew, so that a
   resumed run regenerates the same rollouts."""
 
-  def __init__(self, worker, tracer, shardings, streams, total, staleness=1):
+  def __init__(self, worker, tracer, shardings, streams, total, staleness=1, partial=None):
     self.staleness = staleness
+    # Partial rollouts: (swap_every, kv_on_swap), and the parameters of every
+    # version a rollout in flight may still move to, as the sampler reads them.
+    self.partial = partial
+    self.published = {}  # version -> parameters
+    self.cond = threading.Condition()
+    self.closing = False
     self.worker = worker
     self.tracer = tracer
     # The rollout mesh's, or the decode layout on the training devices; None:
@@ -231,9 +242,54 @@ class StepsOff:
       return jax.tree.map(jnp.copy, params)
     return params
 
+  def publish(self, params, version):
+    """After an update: `params` are `version`'s; partial rollouts in flight
+    may move to them (a copy: the next update donates the trainer's buffers)."""
+    if not self.partial or not self.flights or version in self.published:
+      return
+    copy = self.rollout_params(params)
+    with self.cond:
+      self.published[version] = copy
+      self.cond.notify_all()
+
+  def _weights_at(self, flight):
+    """`Sampler.generate`'s `weights_at` for a partial rollout: one version
+    more every `swap_every` dispatches, from the flight's own up to the
+    iteration that trains on it. Versions follow from dispatch counts, never
+    timing: a version the update has not made yet is waited for, with the
+    worker's lock released so that the held-out evaluation can run."""
+    swap_every, _ = self.partial
+    current = [flight.version]
+    lock = self.worker.lock
+
+    def weights_at(dispatch):
+      target = min(flight.version + dispatch // swap_every, flight.iteration)
+      if target <= current[0]:
+        return None
+      with self.cond:
+        ready = target in self.published
+      if not ready:
+        lock.release()  # generate holds it: `weights_at` runs inside it
+        try:
+          with self.cond:
+            self.cond.wait_for(lambda: target in self.published or self.closing)
+        finally:
+          lock.acquire()
+      with self.cond:
+        if target not in self.published:
+          raise concurrent.futures.CancelledError('the run stopped')
+        params = self.published[target]
+      current[0] = target
+      return self.worker.engine.load_weights(params, target), target
+
+    return weights_at
+
   def _launch(self, flight):
     def generate():
-      generated = self.worker.sample(flight.params, flight.iteration, flight.version)
+      kwargs = {}
+      if self.partial:
+        kwargs = dict(weights_at=self._weights_at(flight), kv_on_swap=self.partial[1])
+      generated = self.worker.sample(flight.params, flight.iteration, flight.version, **kwargs)
       return generated, {name: s.state() for name, s in self.streams.items()}
 
     return flight._replace(future=self.executor.submit(generate))
@@ -252,6 +308,10 @@ class StepsOff:
         ahead = range(it, min(it + max(self.staleness, 1), self.total))
         self.flights.extend(Flight(j, it, behaviour) for j in ahead)
       # else: resumed with rollouts in flight, regenerated from their saved parameters
+      if self.partial and it not in self.published:  # partial: this version may be moved to
+        copy = self.flights[0].params if self.flights[0].version == it else None
+        with self.cond:
+          self.published[it] = copy if copy is not None else self.rollout_params(params)
       self.streams_before = {name: s.state() for name, s in self.streams.items()}
       self.flights = collections.deque(self._launch(f) for f in self.flights)
     flight = self.flights.popleft()
@@ -263,11 +323,18 @@ class StepsOff:
       last = self.flights[-1] if self.flights else None
       if last is not None and last.version == it:  # the same version: share its copy
         behaviour = last.params
+      elif it in self.published:  # published after the last update
+        behaviour = self.published[it]
       else:
         start = time.perf_counter()
         behaviour = self.rollout_params(params)
         t_reshard += time.perf_counter() - start
       self.flights.append(self._launch(Flight(it + self.staleness, it, behaviour)))
+    if self.partial:  # versions no rollout in flight can move to any more
+      low = min((f.version for f in self.flights), default=it + 1)
+      with self.cond:
+        for v in [v for v in self.published if v < low]:
+          del self.published[v]
     generated.metrics['time/reshard'] = t_reshard
     generated.metrics['time/rollout_wait'] = t_wait
     generated.metrics['rollout/staleness'] = float(it - generated.version)
@@ -285,6 +352,10 @@ class StepsOff:
     if not self.flights:
       return {name: s.state() for name, s in streams.items()}, None
     versions = {f'v{f.version}': f.params for f in self.flights}
+    if self.partial:  # and every later version they may move to, but the state's own
+      low = min(f.version for f in self.flights)
+      with self.cond:
+        versions.update({f'v{v}': p for v, p in self.published.items() if low <= v})
     return self.streams_before, versions
 
   def restore(self, checkpointer, step, meta, params):
@@ -307,12 +378,19 @@ class StepsOff:
       params = checkpointer.restore_behaviour(step, behaviour)
       self.flights.append(Flight(int(meta['iteration']), int(meta['iteration']) - 1, params))
       return
-    versions = sorted({int(v) for _, v in in_flight})
-    saved = checkpointer.restore_behaviour(step, {f'v{v}': behaviour for v in versions})
+    names = meta.get('behaviour_versions') or sorted({f'v{v}' for _, v in in_flight})
+    saved = checkpointer.restore_behaviour(step, {name: behaviour for name in names})
     self.flights.extend(Flight(int(j), int(v), saved[f'v{v}']) for j, v in in_flight)
+    if self.partial:
+      with self.cond:
+        self.published = {int(name[1:]): p for name, p in saved.items()}
 
   def close(self):
-    """Waits for the background rollouts (their results are regenerated on resume)."""
+    """Waits for the background rollouts (their results are regenerated on
+    resume); partial ones waiting for a version that will not come stop."""
+    with self.cond:
+      self.closing = True
+      self.cond.notify_all()
     concurrent.futures.wait([f.future for f in self.flights if f.future is not None])
     self.executor.shutdown(wait=True)
 
@@ -351,6 +429,28 @@ def check(config, batch_shards):
     'topology.is_low',
     f'must be below `topology.is_cap` ({topology_config.is_cap}).',
   )
+  partial = topology_config.partial_rollouts
+  need(partial in (True, False), 'topology.partial_rollouts', 'must be True or False.')
+  need(
+    not partial or (topology_config.kind == 'async' and topology_config.max_staleness >= 1),
+    'topology.partial_rollouts',
+    "needs `topology.kind='async'` with `topology.max_staleness` >= 1.",
+  )
+  need(
+    not partial or config.sampler.engine == 'jrl',
+    'topology.partial_rollouts',
+    "needs jrl's sampler (`sampler.engine='jrl'`), which takes weights between dispatches.",
+  )
+  need(
+    not partial or not config.get('rl') or not config.rl.dynamic_sampling,
+    'topology.partial_rollouts',
+    'cannot be used with `rl.dynamic_sampling` (a rollout of several draws).',
+  )
+  need(
+    topology_config.kv_on_swap in ('keep', 'recompute'),
+    'topology.kv_on_swap',
+    "must be 'keep' or 'recompute'.",
+  )
   need(
     topology_config.is_mode == 'mask' or topology_config.is_low == 0,
     'topology.is_low',
@@ -366,6 +466,7 @@ SECTION = checks.Section(
     'topology.max_staleness': checks.count(0),
     'topology.is_cap': checks.Range(False, 1),
     'topology.is_low': checks.Range(False, 0),
+    'topology.swap_every': checks.count(1),
   },
   check,
 )
@@ -384,7 +485,12 @@ def make(config, worker, resources, rollout_mesh, total):
   if kind in ('one_step_off', 'async'):
     topology_config = config.topology
     k = topology_config.staleness if kind == 'one_step_off' else topology_config.max_staleness
-    return StepsOff(worker, resources.tracer, shardings or decode, resources.streams, total, k)
+    partial = None
+    if kind == 'async' and topology_config.partial_rollouts:
+      partial = (topology_config.swap_every, topology_config.kv_on_swap)
+    return StepsOff(
+      worker, resources.tracer, shardings or decode, resources.streams, total, k, partial
+    )
   if shardings is not None:
     return Disaggregated(worker, resources.tracer, shardings)
   return Colocated(worker, resources.tracer, decode)
