@@ -160,7 +160,7 @@ def test_a_bad_correction_setting_names_the_field(tmp_path, fields, field):
     trainers.validate(config, batch_shards=1)
 
 
-# Killed (SIGKILL) at three moments, in subprocesses --------------------------------
+# Killed (SIGKILL) at five moments, in subprocesses ---------------------------------
 
 KILL_IN = '''
 """launch/train.py, SIGKILLed right after the KILL_AT_CALL-th return of KILL_IN
@@ -198,8 +198,12 @@ runpy.run_path('launch/train.py', run_name='__main__')
 
 # 2 SFT + 4 RL iterations, a checkpoint after every iteration (each with the
 # parameters of the versions in flight), a KL term (the reference model is state).
+# Partial rollouts: each rollout moves to newer versions while it decodes, so
+# versions are loaded into the sampler mid-rollout.
 KILLED = {**SHRINK, **ASYNC, 'rl.steps': 4, 'rl.kl_coef': 0.01, 'rl.overlong_buffer': 4}
 KILLED = {**KILLED, 'checkpoint.every': 1, 'log.plot': False, 'eval.every': 2}
+KILLED = {**KILLED, 'topology.partial_rollouts': True, 'topology.swap_every': 1}
+KILLED = {**KILLED, 'sampler.steps_per_dispatch': 2}
 KILLED_TOTAL = KILLED['sft.steps'] + KILLED['rl.steps']
 
 
@@ -229,9 +233,17 @@ def killed_runs(tmp_path_factory):
   script = root / 'kill_in.py'
   script.write_text(KILL_IN)
   # (2) After the resumed run's second update, before its metrics and checkpoint;
-  # (3) while its second checkpoint save is in flight.
-  for target in ('jrl.trainers.online:run_minibatches', 'jrl.checkpoint:Checkpointer.save'):
-    env = train_env(cache, KILL_IN=target, KILL_AT_CALL='2')
+  # (3) while its second checkpoint save is in flight; (4) in a rollout's
+  # generation, right after new weights were loaded into the sampler between
+  # two dispatches; (5) right after an update's parameters were published to
+  # the rollouts in flight.
+  for target, call in [
+    ('jrl.trainers.online:run_minibatches', 2),
+    ('jrl.checkpoint:Checkpointer.save', 2),
+    ('jrl.sampler.sampler:Sampler._swap', 3),
+    ('jrl.trainers.topology:StepsOff.publish', 2),
+  ]:
+    env = train_env(cache, KILL_IN=target, KILL_AT_CALL=str(call))
     proc = subprocess.run(
       killed_command(broken, str(script)), cwd=REPO, env=env, capture_output=True, text=True
     )
@@ -241,9 +253,9 @@ def killed_runs(tmp_path_factory):
   return {'straight': straight, 'broken': broken, 'kills': kills, 'restarts': restarts}
 
 
-def test_killed_at_three_moments_the_async_run_ends_bit_identical(killed_runs):
+def test_killed_at_five_moments_the_async_run_ends_bit_identical(killed_runs):
   r = killed_runs
-  assert r['kills'] == [-signal.SIGKILL] * 3
+  assert r['kills'] == [-signal.SIGKILL] * 5
   assert all('resumed from' in out for out in r['restarts'])
   straight_state, straight_meta = restore(r['straight'])
   broken_state, broken_meta = restore(r['broken'])
@@ -262,6 +274,10 @@ def test_killed_at_three_moments_the_async_run_ends_bit_identical(killed_runs):
   rl_steps = range(KILLED['sft.steps'] + 1, KILLED_TOTAL + 1)
   assert [straight[s]['rollout/staleness'] for s in rl_steps] == [0, 1, 2, 2]
   assert [straight[s]['rollout/version'] for s in rl_steps] == [2, 2, 2, 3]
+  # Partial: later rollouts' tokens are fresher than their first version.
+  assert any(
+    straight[s]['rollout/token_staleness_mean'] < straight[s]['rollout/staleness'] for s in rl_steps
+  )
   # Prompt accounting: each rollout's prompts follow the previous one's, none
   # dropped or drawn twice, in the killed run as in the straight one.
   first = [straight[s]['rollout/first_prompt'] for s in rl_steps]
