@@ -13,6 +13,7 @@
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40 --humaneval_rounds 5]
     python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --workers 16]
+    python launch/bench.py partial [--swap_every 4 --versions 3 --drift 1e-3]
 
 Each benchmark is a module of launch/benches/ (its docstring says what it
 measures and what every figure means); this file is their command line.
@@ -30,6 +31,7 @@ from launch.benches import (
   grpo,
   logprobs,
   model,
+  partial,
   rewards,
   sampler,
   topology,
@@ -46,6 +48,7 @@ BENCHES = {
   'costmodel': calibration,
   'rewards': rewards,
   'envs': envs,
+  'partial': partial,
 }
 
 

@@ -8,10 +8,10 @@ micro-batch, ranked by estimated step time, and why the others lose.
     python launch/plan.py --model qwen2.5-0.5b --hardware this --calibration runs/x/trace.json ...
     python launch/plan.py ... --packing --pack_row_len 8192   # as train.packing, train.pack_row_len
 
-Every layout (colocated, disaggregated and one-step-off on separate chips
-with each power-of-two rollout share, each tensor degree up to a node, the
-largest micro-batch that fits) is checked against the chip's memory and
-timed with `jrl.costmodel` (roofline of the hardware preset with its
+Every layout (colocated, and disaggregated, one-step-off and async with
+k = 2 and 4 on separate chips with each power-of-two rollout share, each
+tensor degree up to a node, the largest micro-batch that fits) is checked
+against the chip's memory and timed with `jrl.costmodel` (roofline of the hardware preset with its
 assumed utilisation, or coefficients calibrated from a trace of a run on
 this machine). Cost is chip-seconds per step: chips x step time. The
 training passes cost the tokens they run: padded rows, or with `--packing`
@@ -32,6 +32,9 @@ from jrl.data import packing
 from jrl.models.config import ModelConfig
 
 MEMORY_HEADROOM = 0.9  # plan to use at most this share of a chip's memory
+# Topologies on separate chips, with the steps generation may run ahead (async
+# with k = 1 is one_step_off).
+ASYNC_CHOICES = (('disaggregated', 1), ('one_step_off', 1), ('async', 2), ('async', 4))
 
 
 def load_model(spec):
@@ -75,10 +78,15 @@ def candidate_layouts(chips, chips_per_node):
       for tr in tensors:
         if train % t or rollout % tr:
           continue
-        for topology in ('disaggregated', 'one_step_off'):
+        for topology, ahead in ASYNC_CHOICES:
           out.append(
             costmodel.Layout(
-              topology, train_chips=train, rollout_chips=rollout, tensor=t, rollout_tensor=tr
+              topology,
+              train_chips=train,
+              rollout_chips=rollout,
+              tensor=t,
+              rollout_tensor=tr,
+              staleness=ahead,
             )
           )
   return out
@@ -110,6 +118,7 @@ def evaluate(model, hw, workload, layout, coeffs=None):
           'memory': m,
           'times': times,
           'cost': trial.chips * times['step'],
+          'cv': w.generation_cv,
         }
   w = dataclasses.replace(workload, num_slots=slot_options[-1])
   m = costmodel.memory(model, w, dataclasses.replace(layout, micro_rows=micro_options[-1]))
@@ -129,6 +138,7 @@ def why_worse(plan, best):
   t, b = plan['times'], best['times']
   lay = plan['layout']
   train = t['reference'] + t['proximal'] + t['update']
+  rollout = t['generate'] + t['reward']
   parts = [f'x{t["step"] / b["step"]:.2f} step time']
   if t['bound'] == 'communication':
     parts.append('communication-bound: FSDP collectives outlast the update compute')
@@ -136,6 +146,11 @@ def why_worse(plan, best):
     side = 'rollout' if t['rollout_idle'] > t['train_idle'] else 'training'
     idle = max(t['rollout_idle'], t['train_idle'])
     parts.append(f'bubble-bound: {side} chips idle {idle:.0%} of the step')
+  elif lay.separate and t['step'] > 1.005 * (max(rollout, train) + t['reshard']):
+    parts.append(
+      f'waits for slow rollouts: generation varies {plan["cv"]:.0%} from step to step and '
+      f'{topology_name(lay)} buffers {lay.staleness} step(s) of it'
+    )
   elif lay.separate:
     parts.append(
       f'generation takes {t["generate"]:.1f} s on {lay.rollout_chips} chips and training '
@@ -146,6 +161,13 @@ def why_worse(plan, best):
   return '; '.join(parts)
 
 
+def topology_name(layout):
+  """The topology, with k for async."""
+  if layout.topology == 'async':
+    return f'async k={layout.staleness}'
+  return layout.topology
+
+
 def describe(layout):
   lay = layout
   if not lay.separate:
@@ -154,7 +176,8 @@ def describe(layout):
     split = f'{lay.rollout_chips} rollout : {lay.train_chips} train'
   mesh = f'fsdp {lay.train_chips // lay.tensor} x tensor {lay.tensor}'
   decode = f'decode {lay.decode_weights}' if lay.decode_copy or lay.decode_fsdp else ''
-  return f'{lay.topology:13s} {split:22s} {mesh:22s} rollout tp {lay.rollout_tensor:<2d} {decode}'
+  name = topology_name(lay)
+  return f'{name:13s} {split:22s} {mesh:22s} rollout tp {lay.rollout_tensor:<2d} {decode}'
 
 
 def plan(model, hw, workload, chips, coeffs=None, top=8):
@@ -192,6 +215,12 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     f'{workload.response_max}, {workload.epochs} epoch(s), minibatch {minibatch} rows',
     file=out,
   )
+  print(
+    f'assumed: generation time varies {workload.generation_cv:.0%} from step to step '
+    '(--generation_cv; what async k > 1 absorbs on separate chips; async k = 1 is '
+    'one_step_off), partial rollouts not modelled',
+    file=out,
+  )
   print(tokens_line(ok[0]['times'] if ok else None, workload), file=out)
   if not ok:
     print('no layout fits:', file=out)
@@ -217,7 +246,7 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     )
   lay = best['layout']
   print(
-    f'recommended: {lay.topology}, '
+    f'recommended: {topology_name(lay)}, '
     + (
       f'{lay.rollout_chips}:{lay.train_chips} rollout:train' if lay.separate else 'all chips shared'
     )
@@ -230,10 +259,10 @@ def report(model, hw, workload, chips, coeffs=None, top=8, out=None):
     f'({best["times"]["bound"]}-bound)',
     file=out,
   )
-  shown = {lay.topology}
+  shown = {topology_name(lay)}
   print('why not the others:', file=out)
   for pl in ok[1:]:
-    key = pl['layout'].topology
+    key = topology_name(pl['layout'])
     if key in shown:
       continue
     shown.add(key)
@@ -289,6 +318,13 @@ def parse_args(argv):
     '--micro_batch_tokens', type=int, default=0, help='train.micro_batch_tokens (0: off)'
   )
   parser.add_argument('--calibration', default='', help='trace.json of a run on this machine')
+  parser.add_argument(
+    '--generation_cv',
+    type=float,
+    default=None,
+    help="step-to-step spread of generation time, std / mean (default: the trace's with "
+    '--calibration, else 0.1)',
+  )
   parser.add_argument('--top', type=int, default=8)
   opts = parser.parse_args(argv)
   if opts.chips < 1:
@@ -318,11 +354,14 @@ def main(argv=None):
     pack_row_len=opts.pack_row_len,
     micro_batch_tokens=opts.micro_batch_tokens,
   )
-  coeffs = None
+  coeffs, cv = None, opts.generation_cv
   if opts.calibration:
     # The trace's own workload and model; scaled to `model` by FLOPs per token.
     with open(opts.calibration, encoding='utf-8') as f:
-      coeffs = costmodel.calibrate(json.load(f), model=model)
+      trace = json.load(f)
+    coeffs = costmodel.calibrate(trace, model=model)
+    cv = costmodel.generation_cv(trace) if cv is None else cv
+  workload = dataclasses.replace(workload, generation_cv=0.1 if cv is None else cv)
   report(model, hw, workload, opts.chips, coeffs, top=opts.top)
 
 

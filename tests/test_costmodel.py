@@ -436,6 +436,64 @@ def test_topologies_compose_stages_as_documented():
   assert shared['step'] == pytest.approx(max(gen + rew, train, 0.5 * gen + train))
 
 
+def test_async_pipeline_by_hand_and_a_deeper_buffer_absorbs_slow_steps():
+  # No spread: k = 0 is the sum of both sides, every k >= 1 the larger one.
+  assert costmodel.pipeline_step(2.0, 3.0, 0, 0.0) == pytest.approx(5.0)
+  for k in (1, 2, 4):
+    assert costmodel.pipeline_step(2.0, 3.0, k, 0.0) == pytest.approx(3.0)
+    assert costmodel.pipeline_step(3.0, 2.0, k, 0.0) == pytest.approx(3.0)
+  # Balanced sides with a spread: k = 1 waits for every slow rollout, a deeper
+  # buffer less and less, never below the sides' means.
+  steps = [costmodel.pipeline_step(1.0, 1.0, k, 0.4) for k in (0, 1, 2, 4)]
+  assert steps[0] > steps[1] > steps[2] > steps[3] >= 1.0
+  assert steps[1] > 1.1
+
+
+def test_async_layouts_are_one_step_off_without_spread_and_hold_k_weight_copies():
+  coeffs = costmodel.Coefficients(
+    decode_fixed_s=0.01,
+    decode_compute_s=0.0,
+    decode_mem_s=0.0,
+    decode_page_s=0.0,
+    prefill_fixed_s=0.0,
+    prefill_token_s=0.0,
+    forward_token_s=1e-4,
+    train_token_s=3e-4,
+    update_fixed_s=0.0,
+    reward_s=0.001,
+    reshard_s=0.05,
+    host_frac=0.5,
+  )
+  model = tiny()
+  w = costmodel.Workload(4, 4, 8, 8, 8, reference=True, steps_per_dispatch=1, num_slots=16)
+  layout = lambda kind, k=1: costmodel.Layout(kind, 1, 1, staleness=k)
+  off = costmodel.predict(model, w, layout('one_step_off'), coeffs)
+  for k in (1, 2, 4):
+    assert costmodel.predict(model, w, layout('async', k), coeffs)['step'] == pytest.approx(
+      off['step']
+    )
+  sync = costmodel.predict(model, w, layout('async', 0), coeffs)
+  assert sync['step'] == pytest.approx(
+    costmodel.predict(model, w, layout('disaggregated'), coeffs)['step']
+  )
+  # Balanced sides that vary from step to step: k = 4 beats one-step-off.
+  spread = dataclasses.replace(w, generation_cv=0.5)
+  slow = costmodel.predict(model, spread, layout('one_step_off'), coeffs)['step']
+  assert costmodel.predict(model, spread, layout('async', 4), coeffs)['step'] <= slow
+  # Memory: the rollout side holds the weights of k versions.
+  one = costmodel.memory(model, w, layout('one_step_off'))['rollout']['weights']
+  assert costmodel.memory(model, w, layout('async', 4))['rollout']['weights'] == 4 * one
+  with pytest.raises(ValueError, match='staleness'):
+    costmodel.Layout('async', 1, 1, staleness=-1)
+
+
+def test_generation_cv_of_a_trace():
+  spans = [10.0, 10.0, 1.0, 2.0, 3.0]  # the first two compile
+  trace = {'traceEvents': [{'ph': 'X', 'name': 'generate', 'dur': d * 1e6} for d in spans]}
+  assert costmodel.generation_cv(trace) == pytest.approx(np.std([1, 2, 3]) / 2)
+  assert costmodel.generation_cv({'traceEvents': []}) == 0.0
+
+
 # The planner -------------------------------------------------------------------------
 
 
@@ -454,7 +512,13 @@ def test_planner_ranks_feasible_layouts_within_memory():
     assert p['layout'].chips == 8
     assert p['slots'] <= 256 and p['micro_rows'] >= 1
   assert all(b['why'].startswith('out of memory') for b in bad)
-  assert {p['layout'].topology for p in ok} == {'colocated', 'disaggregated', 'one_step_off'}
+  assert {p['layout'].topology for p in ok} == {
+    'colocated',
+    'disaggregated',
+    'one_step_off',
+    'async',
+  }
+  assert {p['layout'].staleness for p in ok if p['layout'].topology == 'async'} == {2, 4}
   # More chips: more layouts fit.
   ok64, _ = plan.plan(costmodel.model_preset('llama3-8b'), hw, w, 64, top=0)
   assert len(ok64) > len(ok)

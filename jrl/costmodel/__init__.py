@@ -26,7 +26,12 @@ Step composition by topology (stages in seconds):
 * one_step_off:   max(generate + reward, reference + proximal + update)
   (+ reshard on separate chips); on shared chips the device work of both
   sides still adds up, so only host time (dispatch, reward scoring)
-  overlaps.
+  overlaps;
+* async (k = `Layout.staleness`): on separate chips the pipeline of
+  `predict.pipeline_step`, generation up to k steps ahead with step-to-step
+  spread `Workload.generation_cv` (k = 1 is one_step_off; with no spread
+  every k >= 1 gives the same max); on shared chips as one_step_off. The
+  rollout side holds k copies of the weights.
 
 Everything here is arithmetic on the host: no JAX computation, no devices.
 
@@ -35,7 +40,13 @@ Modules: `hardware` (chips), `model` (presets, FLOPs and bytes per token),
 (Coefficients, calibrate), `predict` (simulate_generation, predict).
 """
 
-from jrl.costmodel.coefficients import Coefficients, calibrate, trace_model, workload_from_config
+from jrl.costmodel.coefficients import (
+  Coefficients,
+  calibrate,
+  generation_cv,
+  trace_model,
+  workload_from_config,
+)
 from jrl.costmodel.hardware import HARDWARE, GiB, Hardware, measure_this_machine
 from jrl.costmodel.memory import kv_pages, kv_pool_bytes, memory, micro_batch
 from jrl.costmodel.model import (
@@ -45,7 +56,7 @@ from jrl.costmodel.model import (
   matmul_params,
   model_preset,
 )
-from jrl.costmodel.predict import predict, simulate_generation
+from jrl.costmodel.predict import pipeline_step, predict, simulate_generation
 from jrl.costmodel.workload import TOPOLOGIES, Layout, Tokens, Workload, tokens_run
 
 __all__ = [
@@ -60,6 +71,7 @@ __all__ = [
   'Workload',
   'calibrate',
   'flops_per_token',
+  'generation_cv',
   'kv_bytes_per_token',
   'kv_pages',
   'kv_pool_bytes',
@@ -68,6 +80,7 @@ __all__ = [
   'memory',
   'micro_batch',
   'model_preset',
+  'pipeline_step',
   'predict',
   'simulate_generation',
   'tokens_run',

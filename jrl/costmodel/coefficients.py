@@ -243,6 +243,16 @@ def calibrate(trace, workload=None, model=None, reference_model=None, lengths=No
   return coeffs
 
 
+def generation_cv(trace, skip=2):
+  """The step-to-step spread of generation in a trace: the standard deviation
+  of its 'generate' spans' durations over their mean (after the first
+  `skip`, which compile), as `Workload.generation_cv`; 0 with fewer than 3."""
+  secs = np.asarray([e['dur'] for e in _events(trace, 'generate')][skip:], np.float64)
+  if len(secs) < 3 or secs.mean() <= 0:
+    return 0.0
+  return float(secs.std() / secs.mean())
+
+
 def _fit(x, y):
   """Least-squares (intercept, slope); a constant when x does not vary."""
   if len(x) == 0:

@@ -45,12 +45,14 @@ def memory(model, workload, layout, lengths=None):
   train['activations'] = rows * row_len * per_token * w.compute_bytes / lay.tensor
   train['logits_chunk'] = rows * min(row_len, 1024) * model.vocab_size * 4 / lay.tensor
   rollout = {'kv_cache': kv_pool_bytes(model, workload) / lay.rollout_tensor}
+  # Rollouts generated ahead hold the parameters of every version in flight.
+  copies = max(1, lay.staleness) if lay.topology == 'async' else 1
   if lay.separate:
-    rollout['weights'] = p * w.compute_bytes / lay.rollout_tensor
+    rollout['weights'] = copies * p * w.compute_bytes / lay.rollout_tensor
   elif lay.decode_copy:
-    train['rollout_weights'] = p * w.param_bytes / lay.tensor  # the gathered decode copy
-  elif lay.topology == 'one_step_off':
-    train['rollout_weights'] = p * w.param_bytes / shards  # the copy generation reads
+    train['rollout_weights'] = copies * p * w.param_bytes / lay.tensor  # gathered decode copies
+  elif lay.topology in ('one_step_off', 'async'):
+    train['rollout_weights'] = copies * p * w.param_bytes / shards  # the copies generation reads
   if not lay.separate:
     train.update(rollout)
     rollout = dict(train)

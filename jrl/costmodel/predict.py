@@ -129,14 +129,14 @@ def predict(model, workload, layout, coeffs, lengths=None):
   compute = w.epochs * tokens * c.train_token_s
   comm = optimiser_steps * c.update_fixed_s
   update = max(compute, comm) + 0.1 * min(compute, comm)  # mostly overlapped
-  stale = lay.topology == 'one_step_off'
-  proximal = tokens * c.forward_token_s if stale else 0.0
+  ahead = {'one_step_off': 1, 'async': lay.staleness}.get(lay.topology, 0)
+  proximal = tokens * c.forward_token_s if ahead else 0.0
   reshard = c.reshard_s if lay.separate or lay.decode_copy else 0.0
   rollout_side = generate + reward
   train_side = reference + proximal + update
-  if lay.topology == 'one_step_off':
+  if ahead:
     if lay.separate:
-      step = max(rollout_side, train_side) + reshard
+      step = pipeline_step(rollout_side, train_side, ahead, w.generation_cv) + reshard
     else:
       # Shared chips: device work adds up; host time (dispatch, scoring) overlaps.
       device_gen = generate * (1 - c.host_frac)
@@ -172,3 +172,30 @@ def predict(model, workload, layout, coeffs, lengths=None):
     'tokens_run': tok.run,
     'packing_efficiency': tok.efficiency,
   }
+
+
+def pipeline_step(rollout_s, train_s, ahead, cv, steps=400, seed=0):
+  """Mean seconds per step of generation running up to `ahead` = k steps
+  ahead of the updates on chips of its own.
+
+  Step j's rollout starts once the previous rollout is done and the
+  parameters it reads exist (those after update j - k - 1); update j starts
+  once rollout j is in and update j - 1 is done. Generation times vary from
+  step to step, rollout_s times a lognormal factor of mean 1 and
+  coefficient of variation `cv` (the same draws for every k): with cv = 0
+  every k >= 1 gives max(rollout_s, train_s); a deeper buffer absorbs slow
+  steps, k = 0 is the synchronous rollout_s + train_s. The mean is taken
+  over the second half of `steps` (the steady state).
+  """
+  rng = np.random.default_rng(seed)
+  sigma = np.sqrt(np.log1p(cv * cv))
+  gen = rollout_s * rng.lognormal(-sigma * sigma / 2, sigma, steps) if cv else [rollout_s] * steps
+  gen_end = np.zeros(steps)
+  upd_end = np.zeros(steps)
+  for j in range(steps):
+    ready = upd_end[j - ahead - 1] if j - ahead - 1 >= 0 else 0.0
+    start = max(gen_end[j - 1] if j else 0.0, ready)
+    gen_end[j] = start + gen[j]
+    upd_end[j] = max(upd_end[j - 1] if j else 0.0, gen_end[j]) + train_s
+  half = steps // 2
+  return float((upd_end[-1] - upd_end[half - 1]) / (steps - half))

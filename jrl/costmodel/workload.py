@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off')
+TOPOLOGIES = ('colocated', 'disaggregated', 'one_step_off', 'async')
 DECODE_WEIGHTS = ('gathered', 'sharded')
 
 
@@ -45,6 +45,10 @@ class Workload:
   packing: bool = False  # sequences packed into rows (train.packing)
   pack_row_len: int = 0  # tokens per packed row (0: seq_len)
   micro_batch_tokens: int = 0  # tokens per micro-batch and batch shard (0: off; packing only)
+  # The spread of one step's generation time from step to step (standard
+  # deviation / mean; `coefficients.generation_cv` measures it in a trace):
+  # what an async buffer of k > 1 rollouts absorbs.
+  generation_cv: float = 0.0
 
   def __post_init__(self):
     if self.pack_row_len and self.pack_row_len < self.seq_len:
@@ -104,8 +108,11 @@ class Layout:
   # copy of the weights whole on each batch shard, made once per policy version;
   # 'sharded', the trainer's fsdp-sharded arrays, with collectives every decode step.
   decode_weights: str = 'gathered'
+  staleness: int = 1  # async: rollouts generated up to this many steps ahead (k)
 
   def __post_init__(self):
+    if not isinstance(self.staleness, int) or self.staleness < 0:
+      raise ValueError(f'`staleness` must be an int >= 0, got {self.staleness!r}.')
     if self.topology not in TOPOLOGIES:
       raise ValueError(f'`topology` must be one of {TOPOLOGIES}, got {self.topology!r}.')
     if self.decode_weights not in DECODE_WEIGHTS:

@@ -86,9 +86,11 @@ class RolloutWorker(Protocol):
   last_errors: list  # the reward service's first errors of the latest batch
   last_samples: list  # the latest batch's first group as dicts, for the sample log
 
-  def sample(self, params: Any, iteration: int, version: int | None = None) -> Any:
+  def sample(self, params: Any, iteration: int, version: int | None = None, **options) -> Any:
     """One batch (`rollout.Rollout`: rows, behaviour logprobs, rewards, the
-    policy version that produced it, metrics), seeded by `iteration`."""
+    policy version that produced it, metrics), seeded by `iteration`;
+    `options` go to the engine's `generate` (partial rollouts: `weights_at`,
+    `kv_on_swap`)."""
     ...
 
   def evaluate(self, params: Any, step: int | None = None) -> dict:

@@ -219,3 +219,15 @@ def test_envs_bench_runs_inline_pooled_and_no_wait_on_the_same_trajectories(tmp_
   assert all(f['same_trajectories'] and f['model_tokens'] > 0 for f in ways)
   assert len({f['env_steps'] for f in ways}) == 1 and ways[0]['env_steps'] > 0
   assert figures['inline']['parked_peak'] == 0 and figures['pooled']['parked_peak'] >= 1
+
+
+def test_partial_bench_recomputed_cache_is_exact_and_kept_cache_is_not(tmp_path, capsys):
+  out_path = tmp_path / 'partial.json'
+  argv = ['partial', '--size', 'cpu-tiny', '--prompts', '2', '--group', '2', '--max_new', '32']
+  argv += ['--steps', '4', '--swap_every', '1', '--drift', '0.05', '--repeats', '1']
+  bench.main(argv + ['--out', str(out_path)])
+  assert 'recompute / keep: x' in capsys.readouterr().out
+  figures = json.loads(out_path.read_text())['figures']
+  assert figures['no swap']['swaps'] == 0 and figures['keep']['swaps'] == 3
+  assert figures['recompute']['logp_gap_max'] < 1e-5 and figures['no swap']['logp_gap_max'] < 1e-5
+  assert figures['keep']['logp_gap_max'] > 1e-3
