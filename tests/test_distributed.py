@@ -256,11 +256,14 @@ def test_sigterm_saves_collectively_and_the_pair_resumes_exactly(two_process_run
 
 
 def test_async_on_two_processes_matches_one_process(tmp_path):
-  """`topology.kind='async'` with k = 2 on two processes (about 30 s, not
-  marked slow): each rollout is generated on both, at its turn in the main
-  thread (a background thread's collectives would deadlock against the
-  update's), by the same parameter versions as on one process with 8 devices."""
+  """`topology.kind='async'` with k = 2 and partial rollouts on two processes
+  (about 30 s, not marked slow): each rollout is generated on both, at its
+  turn in the main thread (a background thread's collectives would deadlock
+  against the update's), by the same parameter versions, moving to the same
+  newer ones between dispatches, as on one process with 8 devices."""
   fields = {**JOB, 'topology.kind': 'async', 'topology.max_staleness': 2}
+  fields.update({'topology.partial_rollouts': True, 'topology.swap_every': 1})
+  fields['sampler.steps_per_dispatch'] = 2
   pair, single = str(tmp_path / 'pair'), str(tmp_path / 'single')
   rc, log = run_pair(pair, tmp_path, str(tmp_path / 'jax_cache'), fields=fields)
   assert rc == 0, log[-3000:]
@@ -273,8 +276,11 @@ def test_async_on_two_processes_matches_one_process(tmp_path):
   )
   assert len(pair_records) == len(single_records) == TOTAL
   for a, b in zip(pair_records, single_records, strict=True):
-    for key in (*COMPARED, 'rollout/staleness'):
+    for key in (*COMPARED, 'rollout/staleness', 'rollout/token_staleness_mean'):
       assert a.get(key) == b.get(key), (a['step'], key)
   staleness = [r['rollout/staleness'] for r in single_records if 'rollout/staleness' in r]
   assert staleness == [0.0, 1.0] + [2.0] * (JOB['rl.steps'] - 2)
+  rl = [r for r in single_records if 'rollout/token_staleness_mean' in r]
+  fresher = [r['rollout/token_staleness_mean'] < r['rollout/staleness'] for r in rl]
+  assert any(fresher)  # the rollouts moved to newer versions while they decoded
   assert any(rec.get('actor/grad_norm', 0) > 0 for rec in single_records)

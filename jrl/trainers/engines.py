@@ -3,7 +3,7 @@ sampler, sized by `sampler.*` and `task.*`) or a `contracts.Engine` from a
 factory named by import path; and the checks of the `sampling` and
 `sampler` sections."""
 
-from jrl import plugins, sampler
+from jrl import models, parallel, plugins, sampler
 from jrl.trainers import checks, contracts
 
 
@@ -142,3 +142,37 @@ SAMPLER = checks.Section(
   },
   check_sampler,
 )
+
+
+# The gathered decode copy may take at most this share of a device's memory
+# (`sampler.decode_weights='auto'`); the KV pool and the training state need the rest.
+DECODE_WEIGHTS_MEMORY_SHARE = 0.25
+
+
+def decode_shardings(mode, mesh, model_config, params, memory_limit=None):
+  """The layout a colocated sampler reads the policy in, or None for the
+  trainer's own (`sampler.decode_weights`).
+
+  With fsdp > 1 the trainer's weights are split over the batch shards, and
+  every decode step of a sampler reading them runs collectives across the
+  fsdp axis for every matmul. 'gathered' copies them once per policy version
+  into `parallel.decode_shardings` (whole on each batch shard, still split
+  over tensor and expert); 'auto' does so when that copy takes at most
+  `DECODE_WEIGHTS_MEMORY_SHARE` of a device's memory (`memory_limit` bytes;
+  None: the device's `bytes_limit`, unknown on the CPU, where it fits);
+  'sharded' keeps the trainer's layout.
+  """
+  if mode == 'sharded' or mesh.shape['fsdp'] == 1:
+    return None  # without fsdp the trainer's layout is the decode layout
+  shardings = parallel.decode_shardings(
+    mesh, params, models.param_logical_axes, units=models.head_units(model_config)
+  )
+  if mode == 'gathered':
+    return shardings
+  if memory_limit is None:
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    memory_limit = stats.get('bytes_limit')
+  if memory_limit is None:
+    return shardings
+  fits = parallel.bytes_per_device(params, shardings) <= DECODE_WEIGHTS_MEMORY_SHARE * memory_limit
+  return shardings if fits else None

@@ -372,6 +372,12 @@ class RolloutWorker:
     )
     metrics['groups/zero_variance_frac'] = zero_var_groups / drawn_groups
     metrics['groups/drawn'] = float(drawn_groups)
+    # What happened to every sample generated: trained on, or dropped by
+    # dynamic sampling (never for being late: a rollout is trained on whatever
+    # its version).
+    metrics['samples/generated'] = float(drawn_groups * g)
+    metrics['samples/trained'] = float(b * g)
+    metrics['samples/dropped'] = float((drawn_groups - b) * g)
     metrics['time/generate'] = t_gen
     metrics['time/reward'] = t_reward
     metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)

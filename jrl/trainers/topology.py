@@ -36,14 +36,9 @@ import jax.numpy as jnp
 from jrl import checkpoint as ckpt_lib
 from jrl import models, parallel
 from jrl.losses import off_policy
-from jrl.trainers import checks
+from jrl.trainers import checks, engines
 
 KINDS = ('colocated', 'disaggregated', 'one_step_off', 'async')
-
-
-# The gathered decode copy may take at most this share of a device's memory
-# (`sampler.decode_weights='auto'`); the KV pool and the training state need the rest.
-DECODE_WEIGHTS_MEMORY_SHARE = 0.25
 
 
 def _rollout_shardings(mesh, rollout_mesh, model_config, params):
@@ -58,38 +53,9 @@ def _rollout_shardings(mesh, rollout_mesh, model_config, params):
   )
 
 
-def decode_shardings(mode, mesh, model_config, params, memory_limit=None):
-  """The layout a colocated sampler reads the policy in, or None for the
-  trainer's own (`sampler.decode_weights`).
-
-  With fsdp > 1 the trainer's weights are split over the batch shards, and
-  every decode step of a sampler reading them runs collectives across the
-  fsdp axis for every matmul. 'gathered' copies them once per policy version
-  into `parallel.decode_shardings` (whole on each batch shard, still split
-  over tensor and expert); 'auto' does so when that copy takes at most
-  `DECODE_WEIGHTS_MEMORY_SHARE` of a device's memory (`memory_limit` bytes;
-  None: the device's `bytes_limit`, unknown on the CPU, where it fits);
-  'sharded' keeps the trainer's layout.
-  """
-  if mode == 'sharded' or mesh.shape['fsdp'] == 1:
-    return None  # without fsdp the trainer's layout is the decode layout
-  shardings = parallel.decode_shardings(
-    mesh, params, models.param_logical_axes, units=models.head_units(model_config)
-  )
-  if mode == 'gathered':
-    return shardings
-  if memory_limit is None:
-    stats = mesh.devices.flat[0].memory_stats() or {}
-    memory_limit = stats.get('bytes_limit')
-  if memory_limit is None:
-    return shardings
-  fits = parallel.bytes_per_device(params, shardings) <= DECODE_WEIGHTS_MEMORY_SHARE * memory_limit
-  return shardings if fits else None
-
-
 class Colocated:
   """Samples now, on the training devices, with the trainer's parameters:
-  its very arrays, or with `decode` shardings (`decode_shardings`) a copy in
+  its very arrays, or with `decode` shardings (`engines.decode_shardings`) a copy in
   the decode layout made once per policy version."""
 
   staleness = 0
@@ -169,18 +135,30 @@ class Flight(NamedTuple):
 
 class InlineExecutor:
   """`concurrent.futures.Executor`'s submit and shutdown, running each call
-  at once in the caller's thread."""
+  in the caller's thread when its result is asked for (a rollout at its
+  turn, once the versions a partial rollout moves to exist)."""
 
   def submit(self, fn, *args, **kwargs):
-    future = concurrent.futures.Future()
-    try:
-      future.set_result(fn(*args, **kwargs))
-    except BaseException as e:  # raised again by future.result(), as a thread's would be
-      future.set_exception(e)
-    return future
+    return Deferred(lambda: fn(*args, **kwargs))
 
   def shutdown(self, wait=True):
     del wait
+
+
+class Deferred(concurrent.futures.Future):
+  """A Future whose call runs at the first `result()`; `cancel()` drops it."""
+
+  def __init__(self, call):
+    super().__init__()
+    self.call = call
+
+  def result(self, timeout=None):
+    if not self.done():
+      try:
+        self.set_result(self.call())
+      except BaseException as e:  # raised again below, as a thread's would be
+        self.set_exception(e)
+    return super().result(timeout)
 
 
 class StepsOff:
@@ -391,6 +369,9 @@ class StepsOff:
     with self.cond:
       self.closing = True
       self.cond.notify_all()
+    for flight in self.flights:
+      if isinstance(flight.future, Deferred):
+        flight.future.cancel()  # never started: nothing to wait for
     concurrent.futures.wait([f.future for f in self.flights if f.future is not None])
     self.executor.shutdown(wait=True)
 
@@ -480,7 +461,9 @@ def make(config, worker, resources, rollout_mesh, total):
   decode = None
   if shardings is None:  # colocated: the decode layout, where it helps and fits
     mode = config.sampler.decode_weights
-    decode = decode_shardings(mode, resources.mesh, resources.model.config, resources.params)
+    decode = engines.decode_shardings(
+      mode, resources.mesh, resources.model.config, resources.params
+    )
   kind = config.topology.kind
   if kind in ('one_step_off', 'async'):
     topology_config = config.topology

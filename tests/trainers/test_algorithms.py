@@ -69,6 +69,9 @@ RL_METRICS = (
   'response_length/mean',
   'groups/zero_variance_frac',
   'groups/drawn',
+  'samples/generated',
+  'samples/trained',
+  'samples/dropped',
   'time/generate',
   'time/reference',
   'time/update',
@@ -255,6 +258,11 @@ def test_grpo_family_variant_runs_with_finite_metrics(tmp_path, variant):
         1 + rl.dynamic_sampling_max_draws
       )
       assert r['groups/dynamic_sampling_short'] in (0.0, 1.0)
+      # Every sample generated is either trained on or dropped, and counted.
+      g = rl.group_size
+      assert r['samples/generated'] == r['groups/drawn'] * g
+      assert r['samples/trained'] == b * g
+      assert r['samples/dropped'] == r['samples/generated'] - r['samples/trained']
     # The overlong penalty (1 at max_new_tokens) outweighs a share in [0, 1].
     assert min(r['reward/mean'] for r in rl_recs) < 0
   if variant == 'gspo':

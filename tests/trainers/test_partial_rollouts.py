@@ -140,3 +140,17 @@ def test_held_out_evaluation_runs_while_partial_rollouts_wait_for_versions(tmp_p
   _, records = run(str(tmp_path), {**PARTIAL, 'eval.every': 1})
   rl = [r for r in records if r.get('phase') == 1.0]
   assert len(rl) == 4 and all('eval/accuracy' in r for r in rl)
+
+
+def test_partial_rollouts_on_rollout_devices_of_their_own(partial_run, tmp_path):
+  # The sampler on the last 4 of the 8 devices, each version resharded onto
+  # them: the same rollouts and updates as on the training devices.
+  params, records = run(str(tmp_path), {**PARTIAL, 'topology.rollout_devices': 4})
+  colocated = {r['step']: r for r in partial_run[1]}
+  rl = [r for r in records if r.get('phase') == 1.0]
+  assert [r['rollout/staleness'] for r in rl] == [0.0, 1.0, 2.0, 2.0]
+  for r in rl:
+    for key in ('reward/mean', 'rollout/token_staleness_mean'):
+      assert r[key] == colocated[r['step']][key], (r['step'], key)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(partial_run[0]), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6)

@@ -25,7 +25,7 @@ import pytest
 from jrl import costmodel, parallel, trainers
 from jrl import models as M
 from jrl.sampler import EngineConfig, Request, Sampler
-from jrl.trainers import controller, topology
+from jrl.trainers import controller, engines
 from tests.helpers import QUIET, records, shrunk_config
 
 CFG = M.ModelConfig(
@@ -99,7 +99,7 @@ def test_the_topology_copies_only_where_it_helps_and_fits():
   whole = parallel.bytes_per_device(
     params, parallel.decode_shardings(mesh, params, M.param_logical_axes, M.head_units(CFG))
   )
-  make = lambda mode, limit=None, m=mesh: topology.decode_shardings(mode, m, CFG, params, limit)
+  make = lambda mode, limit=None, m=mesh: engines.decode_shardings(mode, m, CFG, params, limit)
   assert make('sharded') is None
   assert make('gathered') is not None
   assert make('auto') is not None  # the CPU reports no memory limit

@@ -24,6 +24,13 @@ from tests.trainers.test_agent import agent_config
 
 BASE = {**QUIET, 'rl.overlong_buffer': 4, 'rl.steps': 4, 'reward.mode': 'inline'}
 ONE_STEP_OFF = {'topology.kind': 'one_step_off', 'topology.staleness': 1}
+# Partial rollouts, with several dispatches per rollout so that versions move.
+ASYNC_PARTIAL = {
+  'topology.kind': 'async',
+  'topology.partial_rollouts': True,
+  'topology.swap_every': 1,
+  'sampler.steps_per_dispatch': 2,
+}
 STAMP_KEYS = ('time/', 'throughput/', 'rollout/')
 
 
@@ -82,8 +89,9 @@ def test_one_step_off_trains_on_rollouts_one_version_old(colocated, one_step_off
   [
     (ONE_STEP_OFF, [0.0, 1.0, 1.0]),
     ({'topology.kind': 'async', 'topology.max_staleness': 2}, [0.0, 1.0, 2.0]),
+    ({**ASYNC_PARTIAL, 'topology.max_staleness': 2}, [0.0, 1.0, 2.0]),
   ],
-  ids=['one_step_off', 'async_k2'],
+  ids=['one_step_off', 'async_k2', 'async_k2_partial'],
 )
 @pytest.mark.parametrize('algorithm', ['ppo', 'agent'])
 def test_ppo_and_the_agent_train_on_stale_rollouts(tmp_path, algorithm, topology_fields, staleness):
@@ -115,6 +123,8 @@ def test_ppo_and_the_agent_train_on_stale_rollouts(tmp_path, algorithm, topology
     if before['actor/grad_norm'] > 0:
       assert after['rollout/behaviour_logp_diff_abs'] > 1e-5, (before, after)
   assert all(r['critic/nonfinite'] == 0.0 and r['critic/grad_norm'] > 0 for r in rl)
+  if topology_fields.get('topology.partial_rollouts'):  # tokens fresher than the rollout
+    assert any(r['rollout/token_staleness_mean'] < r['rollout/staleness'] for r in rl)
 
 
 def preempt_and_resume(monkeypatch, workdir, fields, rl_iteration):

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jrl import distributed, rewards, sampler
-from jrl.trainers import engines, topology
+from jrl.trainers import engines
 from jrl.trainers.evaluation import scores
 from jrl.trainers.setup import seed
 
@@ -180,7 +180,7 @@ def held_out_evaluator(resources):
   (never, with `eval.every` = 0 or no held-out examples); returns (evaluate,
   close). Under fsdp it reads a copy of the parameters in the decode layout,
   made per evaluation, where `sampler.decode_weights` says so (as a colocated
-  rollout does, `topology.decode_shardings`)."""
+  rollout does, `engines.decode_shardings`)."""
   held_out = []
   layout = []
 
@@ -190,7 +190,7 @@ def held_out_evaluator(resources):
     if not held_out:
       mode = resources.config.sampler.decode_weights
       layout.append(
-        topology.decode_shardings(mode, resources.mesh, resources.model.config, state.params)
+        engines.decode_shardings(mode, resources.mesh, resources.model.config, state.params)
       )
       engine = engines.build_engine(
         resources.config,
