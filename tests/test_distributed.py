@@ -27,7 +27,7 @@ from safetensors.numpy import load_file
 from jrl import distributed, trainers
 from jrl.data import PromptStream
 from jrl.metrics import read_jsonl
-from tests.helpers import SHRINK, logged_steps, shrunk_config
+from tests.helpers import SHRINK, logged_steps, set_fields, shrunk_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location('local_launch', f'{REPO}/launch/local.py')
@@ -127,12 +127,12 @@ def test_local_launcher_environment_and_arguments():
 # Two processes x 4 devices ---------------------------------------------------------
 
 
-def job_args(workdir, fields=None):
+def job_args(workdir, fields=None, config='configs/grpo_arith.py'):
   flags = [f'--config.{k}={v}' for k, v in {**(fields or JOB), 'workdir': workdir}.items()]
-  return ['--config', 'configs/grpo_arith.py', *flags]
+  return ['--config', config, *flags]
 
 
-def launch_command(workdir, log_dir, fields=None):
+def launch_command(workdir, log_dir, fields=None, config='configs/grpo_arith.py'):
   return [
     sys.executable,
     'launch/local.py',
@@ -140,7 +140,7 @@ def launch_command(workdir, log_dir, fields=None):
     '--devices_per_process=4',
     f'--log_dir={log_dir}',
     '--',
-    *job_args(workdir, fields),
+    *job_args(workdir, fields, config),
   ]
 
 
@@ -154,13 +154,14 @@ def launch_env(cache_dir):
   return env
 
 
-def run_pair(workdir, root, cache, sigterm_after_step=None, fields=None):
-  """Runs the job (`fields`, default JOB) on 2 processes; optionally SIGTERMs
-  the launcher once `sigterm_after_step` is logged. Returns (exit status, output)."""
+def run_pair(workdir, root, cache, sigterm_after_step=None, fields=None, config=None):
+  """Runs the job (`fields`, default JOB, on `config`, default
+  configs/grpo_arith.py) on 2 processes; optionally SIGTERMs the launcher once
+  `sigterm_after_step` is logged. Returns (exit status, output)."""
   log_dir = str(root / f'logs_{os.path.basename(workdir)}')
   with open(root / f'{os.path.basename(workdir)}.log', 'w+') as log:
     proc = subprocess.Popen(
-      launch_command(workdir, log_dir, fields),
+      launch_command(workdir, log_dir, fields, config or 'configs/grpo_arith.py'),
       cwd=REPO,
       env=launch_env(cache),
       stdout=log,
@@ -255,19 +256,31 @@ def test_sigterm_saves_collectively_and_the_pair_resumes_exactly(two_process_run
   ]
 
 
-def test_async_on_two_processes_matches_one_process(tmp_path):
+@pytest.mark.parametrize('algorithm', ['grpo', 'ppo'])
+def test_async_on_two_processes_matches_one_process(tmp_path, algorithm):
   """`topology.kind='async'` with k = 2 and partial rollouts on two processes
-  (about 30 s, not marked slow): each rollout is generated on both, at its
-  turn in the main thread (a background thread's collectives would deadlock
-  against the update's), by the same parameter versions, moving to the same
-  newer ones between dispatches, as on one process with 8 devices."""
+  (about 30 s each, not marked slow), for GRPO and PPO: each rollout is
+  generated on both, at its turn in the main thread (a background thread's
+  collectives would deadlock against the update's), by the same parameter
+  versions, moving to the same newer ones between dispatches, as on one
+  process with 8 devices."""
   fields = {**JOB, 'topology.kind': 'async', 'topology.max_staleness': 2}
   fields.update({'topology.partial_rollouts': True, 'topology.swap_every': 1})
   fields['sampler.steps_per_dispatch'] = 2
   pair, single = str(tmp_path / 'pair'), str(tmp_path / 'single')
-  rc, log = run_pair(pair, tmp_path, str(tmp_path / 'jax_cache'), fields=fields)
+  config = 'configs/grpo_arith.py'
+  if algorithm == 'ppo':  # its own smoke sizes for the rl and sft sections
+    config = 'configs/ppo_arith.py:smoke'
+    fields = {k: v for k, v in fields.items() if not k.startswith(('rl.', 'sft.'))}
+    fields.update({'rl.steps': JOB['rl.steps'], 'sft.steps': JOB['sft.steps']})
+  rc, log = run_pair(pair, tmp_path, str(tmp_path / 'jax_cache'), fields=fields, config=config)
   assert rc == 0, log[-3000:]
-  trainers.run(shrunk_config(single, fields))
+  if algorithm == 'ppo':
+    from configs import ppo_arith
+
+    trainers.run(set_fields(ppo_arith.get_config('smoke'), {**fields, 'workdir': single}))
+  else:
+    trainers.run(shrunk_config(single, fields))
   for name, value in exported(single).items():
     np.testing.assert_allclose(exported(pair)[name], value, atol=1e-6, err_msg=name)
   pair_records, single_records = (

@@ -330,7 +330,7 @@ class StepsOff:
     if not self.flights:
       return {name: s.state() for name, s in streams.items()}, None
     versions = {f'v{f.version}': f.params for f in self.flights}
-    if self.partial:  # and every later version they may move to, but the state's own
+    if self.partial:  # and every later version they may move to (the state's own among them)
       low = min(f.version for f in self.flights)
       with self.cond:
         versions.update({f'v{v}': p for v, p in self.published.items() if low <= v})
