@@ -256,10 +256,11 @@ def test_sigterm_saves_collectively_and_the_pair_resumes_exactly(two_process_run
   ]
 
 
-@pytest.mark.parametrize('algorithm', ['grpo', 'ppo'])
+@pytest.mark.parametrize('algorithm', ['grpo', 'ppo', 'agent'])
 def test_async_on_two_processes_matches_one_process(tmp_path, algorithm):
   """`topology.kind='async'` with k = 2 and partial rollouts on two processes
-  (about 30 s each, not marked slow), for GRPO and PPO: each rollout is
+  (30-60 s each, not marked slow), for GRPO, PPO and the agent (its
+  environment steps waited for, not parked, on several processes): each rollout is
   generated on both, at its turn in the main thread (a background thread's
   collectives would deadlock against the update's), by the same parameter
   versions, moving to the same newer ones between dispatches, as on one
@@ -269,16 +270,22 @@ def test_async_on_two_processes_matches_one_process(tmp_path, algorithm):
   fields['sampler.steps_per_dispatch'] = 2
   pair, single = str(tmp_path / 'pair'), str(tmp_path / 'single')
   config = 'configs/grpo_arith.py'
-  if algorithm == 'ppo':  # its own smoke sizes for the rl and sft sections
-    config = 'configs/ppo_arith.py:smoke'
-    fields = {k: v for k, v in fields.items() if not k.startswith(('rl.', 'sft.'))}
+  if algorithm != 'grpo':  # its own smoke config, sizes and sections
+    config = f'configs/{algorithm}_arith.py:smoke'
+    keep = ('topology.', 'log.', 'eval.', 'reward.mode', 'export_hf', 'checkpoint.')
+    fields = {k: v for k, v in fields.items() if k.startswith(keep)}
     fields.update({'rl.steps': JOB['rl.steps'], 'sft.steps': JOB['sft.steps']})
+    fields['sampler.steps_per_dispatch'] = 2
+    if algorithm == 'agent':
+      # No SFT warm-up: on two processes its demonstration batches are not
+      # yet those of one process (a separate issue from the rollouts').
+      fields.pop('reward.mode')
+      fields['sft.steps'] = 0
   rc, log = run_pair(pair, tmp_path, str(tmp_path / 'jax_cache'), fields=fields, config=config)
   assert rc == 0, log[-3000:]
-  if algorithm == 'ppo':
-    from configs import ppo_arith
-
-    trainers.run(set_fields(ppo_arith.get_config('smoke'), {**fields, 'workdir': single}))
+  if algorithm != 'grpo':
+    module = importlib.import_module(f'configs.{algorithm}_arith')
+    trainers.run(set_fields(module.get_config('smoke'), {**fields, 'workdir': single}))
   else:
     trainers.run(shrunk_config(single, fields))
   for name, value in exported(single).items():
@@ -287,7 +294,7 @@ def test_async_on_two_processes_matches_one_process(tmp_path, algorithm):
     read_jsonl(f'{pair}/metrics.jsonl'),
     read_jsonl(f'{single}/metrics.jsonl'),
   )
-  assert len(pair_records) == len(single_records) == TOTAL
+  assert len(pair_records) == len(single_records) == fields['sft.steps'] + fields['rl.steps']
   for a, b in zip(pair_records, single_records, strict=True):
     for key in (*COMPARED, 'rollout/staleness', 'rollout/token_staleness_mean'):
       assert a.get(key) == b.get(key), (a['step'], key)
@@ -296,4 +303,5 @@ def test_async_on_two_processes_matches_one_process(tmp_path, algorithm):
   rl = [r for r in single_records if 'rollout/token_staleness_mean' in r]
   fresher = [r['rollout/token_staleness_mean'] < r['rollout/staleness'] for r in rl]
   assert any(fresher)  # the rollouts moved to newer versions while they decoded
-  assert any(rec.get('actor/grad_norm', 0) > 0 for rec in single_records)
+  if algorithm != 'agent':  # the untrained agent's rewards are all 0: no GRPO gradient
+    assert any(rec.get('actor/grad_norm', 0) > 0 for rec in single_records)
