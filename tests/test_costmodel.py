@@ -405,23 +405,28 @@ def test_response_lengths_have_the_stated_mean_max_and_clip_fraction():
   assert lengths.mean() == pytest.approx(100.0, rel=0.02)
 
 
+# Round stage costs for the hand-computed compositions of the topologies.
+HAND_COEFFS = costmodel.Coefficients(
+  decode_fixed_s=0.01,
+  decode_compute_s=0.0,
+  decode_mem_s=0.0,
+  decode_page_s=0.0,
+  prefill_fixed_s=0.0,
+  prefill_token_s=0.0,
+  forward_token_s=1e-4,
+  train_token_s=3e-4,
+  update_fixed_s=0.0,
+  reward_s=0.001,
+  reshard_s=0.05,
+  host_frac=0.5,
+)
+HAND_WORKLOAD = costmodel.Workload(
+  4, 4, 8, 8, 8, reference=True, steps_per_dispatch=1, num_slots=16
+)
+
+
 def test_topologies_compose_stages_as_documented():
-  coeffs = costmodel.Coefficients(
-    decode_fixed_s=0.01,
-    decode_compute_s=0.0,
-    decode_mem_s=0.0,
-    decode_page_s=0.0,
-    prefill_fixed_s=0.0,
-    prefill_token_s=0.0,
-    forward_token_s=1e-4,
-    train_token_s=3e-4,
-    update_fixed_s=0.0,
-    reward_s=0.001,
-    reshard_s=0.05,
-    host_frac=0.5,
-  )
-  model = tiny()
-  w = costmodel.Workload(4, 4, 8, 8, 8, reference=True, steps_per_dispatch=1, num_slots=16)
+  coeffs, model, w = HAND_COEFFS, tiny(), HAND_WORKLOAD
   colo = costmodel.predict(model, w, costmodel.Layout('colocated'), coeffs)
   gen, rew = colo['generate'], colo['reward']
   assert gen == pytest.approx(7 * 0.01)  # 8 tokens: 7 decode steps, all 16 rows at once
@@ -450,22 +455,7 @@ def test_async_pipeline_by_hand_and_a_deeper_buffer_absorbs_slow_steps():
 
 
 def test_async_layouts_are_one_step_off_without_spread_and_hold_k_weight_copies():
-  coeffs = costmodel.Coefficients(
-    decode_fixed_s=0.01,
-    decode_compute_s=0.0,
-    decode_mem_s=0.0,
-    decode_page_s=0.0,
-    prefill_fixed_s=0.0,
-    prefill_token_s=0.0,
-    forward_token_s=1e-4,
-    train_token_s=3e-4,
-    update_fixed_s=0.0,
-    reward_s=0.001,
-    reshard_s=0.05,
-    host_frac=0.5,
-  )
-  model = tiny()
-  w = costmodel.Workload(4, 4, 8, 8, 8, reference=True, steps_per_dispatch=1, num_slots=16)
+  coeffs, model, w = HAND_COEFFS, tiny(), HAND_WORKLOAD
   layout = lambda kind, k=1: costmodel.Layout(kind, 1, 1, staleness=k)
   off = costmodel.predict(model, w, layout('one_step_off'), coeffs)
   for k in (1, 2, 4):

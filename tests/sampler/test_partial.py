@@ -15,18 +15,9 @@ import pytest
 
 import jrl.models as M
 from jrl.sampler import EngineConfig, Request, Sampler
+from tests.sampler.test_multiturn import CFG, GRAPHDEF, PARAMS
 
-CFG = M.ModelConfig(
-  vocab_size=64,
-  width=32,
-  mlp_width=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  init_std=0.1,
-)
-GRAPHDEF, PARAMS_A = M.create(CFG, jax.random.key(3))
+PARAMS_A = PARAMS  # version 0
 # Version 1: every weight moved, enough to change sampled tokens.
 PARAMS_B = jax.tree.map(
   lambda x, k: x + 0.05 * jax.random.normal(k, x.shape, x.dtype),
