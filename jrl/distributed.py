@@ -114,6 +114,22 @@ def fetch(x):
   return jax.tree.map(one, x)
 
 
+def settle(tree):
+  """Waits for `tree`'s values on several processes of the CPU backend;
+  returns `tree`.
+
+  There gloo pairs the collectives of the programs in flight at one time in
+  the order each process's device threads reach them, which may differ
+  between processes: two independent programs with collectives (an update
+  step and the next minibatch's gather) then wait for each other forever.
+  Waiting after each such program keeps one in flight. On one process, and
+  on accelerators (whose collectives follow each device's stream), it
+  returns at once."""
+  if jax.process_count() > 1 and jax.default_backend() == 'cpu':
+    jax.block_until_ready(tree)
+  return tree
+
+
 def any_process(flag):
   """True on every process when `flag` is true on any of them."""
   if jax.process_count() == 1:

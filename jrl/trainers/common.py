@@ -409,11 +409,12 @@ def minibatched(fn, params, batch, rows, sharding):
   """`fn(params, tokens, mask, loss_mask)` over consecutive slices of `rows`
   rows of a [B, T] batch, concatenated and laid out with `sharding` (the
   forward passes of reference logprobs, proximal logprobs and critic values)."""
-  out = [
-    fn(params, *(x[k : k + rows] for x in (batch.tokens, batch.mask, batch.loss_mask)))
-    for k in range(0, batch.tokens.shape[0], rows)
-  ]
-  return jax.device_put(jnp.concatenate(out), sharding)
+  out = []
+  fields = (batch.tokens, batch.mask, batch.loss_mask)
+  for k in range(0, batch.tokens.shape[0], rows):
+    part = [distributed.settle(x[k : k + rows]) for x in fields]
+    out.append(distributed.settle(fn(params, *part)))
+  return distributed.settle(jax.device_put(jnp.concatenate(out), sharding))
 
 
 def trained_grads(grads):

@@ -243,6 +243,13 @@ def place_rollout(generated, resources, logprobs, ref_params, rows):
   )
 
 
+@functools.cache
+def _take_rows(sharding):
+  """(pytree of [B, ...] arrays, row indices [b]) -> the rows laid out with
+  `sharding`: one program for every leaf."""
+  return jax.jit(lambda full, idx: jax.tree.map(lambda x: x[idx], full), out_shardings=sharding)
+
+
 def run_minibatches(step, state, full, config, iteration, sharding, packer=None):
   """`rl.epochs` passes of `step` over minibatches of `full` (a pytree of
   [B·G, ...] arrays), in permutations fixed by (seed, iteration): of whole
@@ -274,12 +281,12 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       perm = rng.permutation(rows)
     for k in range(rows // mb):
       order = np.sort(perm[k * mb : (k + 1) * mb])
-      idx = jnp.asarray(order)
-      mini = jax.tree.map(lambda x, idx=idx: jax.device_put(x[idx], sharding), full)
+      mini = _take_rows(sharding)(full, jnp.asarray(order))
+      distributed.settle(mini)
       if packer is not None:
         mini = mini._replace(packed=packer.for_step(*(x[order] for x in host)))
         efficiency.append((*packer.last, len(mini.packed) if packer.budget else 1))
-      state, update_metrics = step(state, mini)
+      state, update_metrics = distributed.settle(step(state, mini))
       results.append(update_metrics)
   results = jax.device_get(results)
   metrics = {k: float(np.mean([u[k] for u in results])) for k in results[0]}
