@@ -366,6 +366,16 @@ def sampler_section():
   # 'sharded' (the trainer's arrays), 'auto' (gathered when the copy takes at most a
   # quarter of a device's memory)
   s.decode_weights = 'auto'
+  # Recompute each rollout's logprobs with the trainer and correct the engine's by
+  # importance weights (topology.is_*), logging their mismatch: 'auto' (for an engine
+  # other than 'jrl', whose logprobs are not the trainer's) | 'on' | 'off'
+  s.recompute_logprobs = 'auto'
+  # sampler.engine = 'vllm' (third_party/vllm, an optional install: README)
+  s.vllm = ml_collections.ConfigDict()
+  s.vllm.kv_space_gib = 4  # GiB, the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE)
+  s.vllm.threads = 0  # cores it binds (VLLM_CPU_OMP_THREADS_BIND 0-(n-1)); 0: its default
+  s.vllm.weights_dir = ''  # each policy version written for it; '': <workdir>/vllm_weights
+  s.vllm.enforce_eager = True  # no graph capture or compilation: starts in seconds
   return s
 
 

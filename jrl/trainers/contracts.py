@@ -33,7 +33,8 @@ class Engine(Protocol):
   (once per version) and may return any handle. Around an update on the same
   devices the topology calls `release` and then `resume`: nothing of the
   rollout may stay in device memory in between, and `generate` is refused
-  there.
+  there. An engine with processes or memory of its own may also have
+  `close()`, which the worker calls when the run ends.
   """
 
   stats: Any  # figures of the latest `generate` call (jrl: SamplerStats)

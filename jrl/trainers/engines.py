@@ -70,6 +70,7 @@ def build_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_ov
   name = config.sampler.engine
   if name == 'jrl':
     return build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
+  name = NAMED_ENGINES.get(name, name)
   factory = plugins.load_object(name, '`sampler.engine`')
   if not callable(factory):
     raise ValueError(f'`sampler.engine` {name!r}: a {type(factory).__name__} is not a factory.')
@@ -84,15 +85,25 @@ def build_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_ov
 
 
 DECODE_WEIGHTS = ('auto', 'gathered', 'sharded')
+RECOMPUTE_LOGPROBS = ('auto', 'on', 'off')
+# Outside engines by short name: adapters in third_party/, never imported by jrl/.
+NAMED_ENGINES = {'vllm': 'third_party.vllm.engine:make_engine'}
 
 
 def check_sampler(config, batch_shards):
   """The `sampler` section against the rollout's groups (a group's samples decode together)."""
   sampler_config, need = config.sampler, checks.need
+  engine = sampler_config.engine
   need(
-    sampler_config.engine == 'jrl' or plugins.is_import_path(sampler_config.engine),
+    engine == 'jrl' or engine in NAMED_ENGINES or plugins.is_import_path(engine),
     'sampler.engine',
-    "must be 'jrl' (the paged sampler) or an import path 'package.module:make_engine'.",
+    f"must be 'jrl' (the paged sampler), one of {tuple(NAMED_ENGINES)} or an import path "
+    "'package.module:make_engine'.",
+  )
+  need(
+    sampler_config.recompute_logprobs in RECOMPUTE_LOGPROBS,
+    'sampler.recompute_logprobs',
+    f'one of {RECOMPUTE_LOGPROBS}.',
   )
   need(
     sampler_config.decode_weights in DECODE_WEIGHTS,
@@ -139,6 +150,8 @@ SAMPLER = checks.Section(
     'sampler.num_pages': checks.count(2, also=(0,)),  # page 0 is scratch; 0: sized automatically
     'sampler.steps_per_dispatch': checks.count(1),
     'sampler.replicas': checks.count(1),
+    'sampler.vllm.kv_space_gib': checks.count(1),
+    'sampler.vllm.threads': checks.count(0),
   },
   check_sampler,
 )

@@ -24,6 +24,7 @@ from jrl.trainers import (
   common,
   contracts,
   controller,
+  correction,
   engines,
   rollout,
   setup,
@@ -319,39 +320,6 @@ def logprobs_fn(config, graphdef, packer=None):
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
-def proximal(logprobs, params, generated, it, resources):
-  """Decoupled PPO for a rollout of an older policy (one-step-off, async):
-  the proximal logprobs (`logprobs`, the run's jitted logprob step, at the
-  current `params`), the importance weights proximal / behaviour (per
-  token, sequence or geometric mean, truncated or masked: `topology.is_*`,
-  `jrl.losses.importance_weights`) and their metrics. A rollout of the
-  current version (`generated.version == it`) keeps its behaviour
-  logprobs, weights 1."""
-  if generated.version == it:
-    return generated.old_logp, jnp.ones_like(generated.old_logp), {}
-  config = resources.config
-  with resources.tracer.span('proximal'):
-    old_logp = common.minibatched(
-      logprobs, params, generated.batch, config.rl.minibatch_size, resources.batch_sharding
-    )
-    jax.block_until_ready(old_logp)
-  topology_config = config.topology
-  is_weights, is_metrics = L.importance_weights(
-    old_logp,
-    generated.old_logp,
-    generated.batch.loss_mask,
-    level=topology_config.is_level,
-    mode=topology_config.is_mode,
-    high=topology_config.is_cap,
-    low=topology_config.is_low or None,
-  )
-  metrics = {f'rollout/{k}': float(v) for k, v in is_metrics.items()}
-  metrics['rollout/behaviour_logp_diff_abs'] = float(
-    L.token_mean(jnp.abs(old_logp - generated.old_logp), generated.batch.loss_mask)
-  )
-  return old_logp, is_weights, metrics
-
-
 class Algorithm(NamedTuple):
   """What an online algorithm brings to the shared iteration (`iteration`).
 
@@ -384,9 +352,11 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
   )
   metrics = dict(generated.metrics)
   old_logp, is_weights = generated.old_logp, None
-  if topo.staleness:
-    old_logp, is_weights, stale_metrics = proximal(logprobs, state.params, generated, it, resources)
-    metrics.update(stale_metrics)
+  if topo.staleness or correction.recomputes_logprobs(config):
+    old_logp, is_weights, corrected = correction.proximal(
+      logprobs, state.params, generated, it, resources
+    )
+    metrics.update(corrected)
   full, adv = algorithm.batch(state, generated, old_logp, is_weights, metrics)
   with topo.update_window(), resources.tracer.span('update', iteration=it):
     state, update_metrics, t_update = run_minibatches(

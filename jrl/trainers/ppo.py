@@ -49,7 +49,7 @@ class PPOBatch(NamedTuple):
   returns: jax.Array  # [B, T] float32 value targets
   old_values: jax.Array  # [B, T] float32 critic values at rollout time
   # [B, T] float32 importance weights proximal / behaviour for a stale rollout
-  # (one-step-off, `online.proximal`); None: on-policy.
+  # (one-step-off, `correction.proximal`); None: on-policy.
   is_weights: jax.Array | None = None
   packed: Any = None  # jrl.data.packing.PackedInputs (`train.packing`), else None
 

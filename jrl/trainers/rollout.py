@@ -206,6 +206,8 @@ class RolloutWorker:
   def close(self):
     self.scorer.close()
     self.held_out.close()
+    if hasattr(self.engine, 'close'):  # an outside engine's processes (optional in the contract)
+      self.engine.close()
 
   # Pieces of a sample ---------------------------------------------------------
 

@@ -3,6 +3,7 @@ static-batch baseline or `transformers`' `generate` (see `run`).
 
     python launch/bench.py sampler [--size cpu-20m --prompts 16 --group 8 --max_new 256]
     python launch/bench.py sampler --model_path models/smollm2 --baseline hf [--prompts 8]
+    python launch/bench.py sampler --model_path models/smollm2 --baseline vllm [--vllm_threads 2]
 """
 
 import functools
@@ -37,7 +38,113 @@ def add_arguments(parser):
   parser.add_argument('--prefill_chunk', type=int, default=None, help='tokens per prefill chunk')
   parser.add_argument('--cache_dir', default='', help='persistent compilation cache directory')
   parser.add_argument('--model_path', default=None, help='a converted checkpoint (models/smollm2)')
-  parser.add_argument('--baseline', choices=('dense', 'hf'), default='dense')
+  parser.add_argument('--baseline', choices=('dense', 'hf', 'vllm'), default='dense')
+  parser.add_argument(
+    '--chat_prompts',
+    action='store_true',
+    help='with --model_path: word problems in its chat template, every sample --max_new tokens',
+  )
+  parser.add_argument(
+    '--vllm_threads', type=int, default=0, help='cores vLLM binds (0: its default, one kept)'
+  )
+  parser.add_argument('--vllm_kv_gib', type=int, default=2, help="vLLM's KV cache, GiB")
+
+
+def print_mismatch(graphdef, params, requests, groups, width):
+  """The engine's logprobs of its sampled tokens against the trainer's
+  (`models.next_token_logprobs` on prompt + completion): mean, max and tail."""
+  from jrl import models
+
+  fn = jax.jit(models.next_token_logprobs, static_argnums=0)
+  diffs = []
+  for request, group in zip(requests, groups, strict=True):
+    for c in group:
+      seq = np.zeros((1, width), np.int32)
+      n, k = len(request.prompt), len(c.tokens)
+      seq[0, :n], seq[0, n : n + k] = request.prompt, c.tokens
+      mask = np.arange(width)[None] < n + k
+      trainer = np.asarray(fn(graphdef, params, seq, mask)[0])[0, n : n + k]
+      diffs.append(np.abs(trainer - c.logprobs))
+  diff = np.concatenate(diffs)
+  tails = ', '.join(f'{np.mean(diff > b):.1%} > {b:g}' for b in (1e-4, 1e-3, 1e-2, 1e-1))
+  print(
+    f'  vllm logprobs vs the trainer: mean |diff| {diff.mean():.2e}, max {diff.max():.2e} '
+    f'over {diff.size} tokens ({tails})'
+  )
+
+
+def chat_requests(args):
+  """--prompts word problems in the chat template of --model_path's tokenizer,
+  its end tokens forbidden until --max_new (every sample that long, as in
+  the GRPO step compared with TRL). Returns (requests, stop tokens)."""
+  from jrl import sampler
+  from jrl.data import tasks
+  from jrl.models.tokenizer import load_tokenizer
+
+  tok = load_tokenizer(args.model_path)
+  encoder = tasks.Encoder(tok, True, False, system_prompt='Solve the problem step by step.')
+  rng = np.random.default_rng(0)
+  requests = []
+  for i in range(args.prompts):
+    a, b, c = (int(x) for x in rng.integers(2, 60, 3))
+    question = (
+      f'A farmer has {a} rows of trees with {b} trees in each row. He plants {c} more '
+      'trees. How many trees does he have now? Give the final answer as a number.'
+    )
+    requests.append(
+      sampler.Request(
+        prompt=encoder.prompt_ids(question),
+        max_new_tokens=args.max_new,
+        min_new_tokens=args.max_new,
+        temperature=1.0,
+        stop_tokens=tuple(tok.eos_ids),
+        seed=i,
+      )
+    )
+  return requests, tuple(tok.eos_ids)
+
+
+class Groups(list):
+  """Completion groups with the bytes of the engine's KV cache (`cache_bytes`)."""
+
+
+def vllm_generate(args, ckpt, requests, group_size):
+  """jrl's vLLM adapter (third_party/vllm) on the checkpoint: started and
+  given the weights (timed: the cold start), then one `generate` per call.
+  Prints the cold start, a weight push and the engine processes' memory."""
+  import types
+
+  import ml_collections
+  import psutil
+
+  from third_party.vllm import engine as vllm_engine
+
+  c = ml_collections.ConfigDict()
+  c.workdir, c.seed = args.vllm_dir, 0
+  c.task = dict(max_prompt_len=args.max_prompt, max_response_len=args.max_new)
+  c.sampler = dict(num_slots=args.slots)
+  c.sampler.vllm = dict(
+    kv_space_gib=args.vllm_kv_gib, threads=args.vllm_threads, weights_dir='', enforce_eager=False
+  )
+  model = types.SimpleNamespace(config=ckpt.config, hf_config=ckpt.hf_config)
+  engine = vllm_engine.make_engine(c, model, None, ())
+  start = time.perf_counter()
+  engine.load_weights(ckpt.params, 0)
+  cold = time.perf_counter() - start
+  engine.load_weights(ckpt.params, 1)
+  children = psutil.Process().children(recursive=True)
+  rss = sum(p.memory_info().rss for p in children if p.is_running())
+  print(
+    f'  vllm: cold start {cold:.1f} s (export, start, compile); a weight push '
+    f'{engine.stats.push_seconds:.2f} s (export + reload); its processes hold {rss / 2**30:.2f} GiB'
+  )
+
+  def run():
+    out = Groups(engine.generate(1, requests, group_size=group_size))
+    out.cache_bytes = args.vllm_kv_gib * 2**30  # its KV cache is allocated whole
+    return out
+
+  return run
 
 
 def hf_generate(path, requests, group_size, max_new, stop):
@@ -110,8 +217,8 @@ def run(args):
 
   if args.cache_dir:
     sampler.enable_compilation_cache(args.cache_dir)
-  if args.baseline == 'hf' and not (args.model_path and args.mode == 'natural'):
-    raise SystemExit('--baseline hf needs --model_path and the natural mode')
+  if args.baseline in ('hf', 'vllm') and not (args.model_path and args.mode == 'natural'):
+    raise SystemExit(f'--baseline {args.baseline} needs --model_path and the natural mode')
   if args.model_path:
     from jrl.models import hf
 
@@ -144,6 +251,8 @@ def run(args):
     )
     for i in range(args.prompts)
   ]
+  if args.chat_prompts:
+    requests, stop = chat_requests(args)
   page = args.page_size
   args.slots = args.slots or args.prompts * g  # the whole batch in flight, as a static batch
   per_group = max(sampler.pages_needed(len(r.prompt), args.max_new, g, page) for r in requests)
@@ -183,6 +292,11 @@ def run(args):
   }
   if args.baseline == 'hf':
     runs['hf'] = hf_generate(args.model_path, requests, g, args.max_new, stop)
+  elif args.baseline == 'vllm':
+    import tempfile
+
+    args.vllm_dir = tempfile.mkdtemp(prefix='jrl-bench-vllm-')
+    runs['vllm'] = vllm_generate(args, ckpt, requests, g)
   else:
     runs['dense'] = run_dense
   base = args.baseline
@@ -202,7 +316,7 @@ def run(args):
       lengths = list(out.mask.sum(axis=1))
     elif name == 'hf':
       tokens, lengths = int(sum(out.lengths)), list(out.lengths)
-    else:
+    else:  # jrl's sampler or the vLLM adapter: Completions
       tokens = sum(len(c.tokens) for grp in out for c in grp)
       lengths = [len(c.tokens) for grp in out for c in grp]
     results[name] = dict(
@@ -253,6 +367,8 @@ def run(args):
   print(f'  first call paged/{base}: x{p["first"] / d["first"]:.2f}')
   if long_tail:
     print(f'  tokens/s compaction/none: x{rate("paged") / rate("paged, no compaction"):.2f}')
+  if base == 'vllm':
+    print_mismatch(graphdef, params, requests, d['out'], args.max_prompt + args.max_new)
   print(
     f'  KV memory: paged peak {paged_bytes / 2**20:.1f} MiB in use '
     f'({smp.stats.peak_pages} pages of {page}) vs {base} {dense_bytes / 2**20:.1f} MiB '

@@ -20,7 +20,7 @@ import pytest
 from jrl import checkpoint as ckpt_lib
 from jrl import losses, trainers
 from jrl.losses import off_policy
-from jrl.trainers import online, topology
+from jrl.trainers import correction, topology
 from tests.helpers import (
   REPO,
   SHRINK,
@@ -99,20 +99,22 @@ SHIFT = np.array([[0.5, -0.2, 0.1], [0.9, 0.0, -0.4]], np.float32)  # proximal -
 MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
 
 
-def corrected(tmp_path, fields):
-  """`online.proximal` on a rollout two versions old whose proximal logprobs
-  are BEHAVIOUR + SHIFT: (importance weights, metrics)."""
+def corrected(tmp_path, fields, version=3, recomputed=True):
+  """`correction.proximal` at iteration 5 on a rollout of `version` (by
+  default two versions old) whose proximal logprobs are BEHAVIOUR + SHIFT:
+  (importance weights, metrics). `recomputed`: the logprobs it returns are
+  those proximal ones, else the rollout's own."""
   config = shrunk_config(str(tmp_path), {**ASYNC, **fields})
   batch = types.SimpleNamespace(tokens=np.zeros((2, 3), np.int32), mask=MASK, loss_mask=MASK)
-  generated = types.SimpleNamespace(version=3, old_logp=BEHAVIOUR, batch=batch)
+  generated = types.SimpleNamespace(version=version, old_logp=BEHAVIOUR, batch=batch)
   resources = types.SimpleNamespace(
     config=config,
     tracer=types.SimpleNamespace(span=lambda name: contextlib.nullcontext()),
     batch_sharding=None,
   )
   logprobs = lambda params, tokens, mask, loss_mask: BEHAVIOUR + SHIFT
-  old_logp, weights, metrics = online.proximal(logprobs, None, generated, 5, resources)
-  np.testing.assert_allclose(old_logp, BEHAVIOUR + SHIFT)
+  old_logp, weights, metrics = correction.proximal(logprobs, None, generated, 5, resources)
+  np.testing.assert_allclose(old_logp, BEHAVIOUR + SHIFT if recomputed else BEHAVIOUR)
   return np.asarray(weights), metrics
 
 
@@ -145,9 +147,32 @@ def test_every_correction_is_the_kernel_with_the_configured_bounds(tmp_path, lev
     assert metrics[f'rollout/{name}'] == pytest.approx(float(value))
 
 
+def test_an_outside_engines_logprobs_are_recomputed_corrected_and_their_mismatch_logged(
+  tmp_path,
+):
+  """A rollout of the current version from an engine other than jrl's
+  (`sampler.recompute_logprobs` 'auto'): the trainer's logprobs replace the
+  engine's, which are weighted by trainer / engine, and the per-token
+  mismatch |SHIFT| over the 5 trained tokens (0.5, 0.2, 0.1, 0.9, 0.0) is
+  logged by its mean, max and tail fractions."""
+  weights, metrics = corrected(tmp_path, {'sampler.engine': 'vllm'}, version=5)
+  np.testing.assert_allclose(weights, np.minimum(np.exp(SHIFT), 2.0) * MASK, rtol=1e-6)
+  assert metrics['rollout/engine_logp_diff_mean'] == pytest.approx(1.7 / 5)
+  assert metrics['rollout/engine_logp_diff_max'] == pytest.approx(0.9)
+  over = {b: metrics[f'rollout/engine_logp_diff_over/{b:g}'] for b in correction.LOGP_DIFF_BOUNDS}
+  assert over == pytest.approx({1e-4: 4 / 5, 1e-3: 4 / 5, 1e-2: 4 / 5, 1e-1: 3 / 5, 1.0: 0.0})
+  # jrl's own sampler: the rollout keeps its logprobs unless asked ('on').
+  weights, metrics = corrected(tmp_path, {}, version=5, recomputed=False)
+  np.testing.assert_array_equal(weights, np.ones_like(MASK))
+  assert metrics == {}
+  weights, metrics = corrected(tmp_path, {'sampler.recompute_logprobs': 'on'}, version=5)
+  assert metrics['rollout/engine_logp_diff_max'] == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize(
   'fields, field',
   [
+    ({'sampler.recompute_logprobs': 'yes'}, 'sampler.recompute_logprobs'),
     ({'topology.is_level': 'word'}, 'topology.is_level'),
     ({'topology.is_mode': 'clip'}, 'topology.is_mode'),
     ({'topology.is_mode': 'mask', 'topology.is_low': 3.0}, 'topology.is_low'),

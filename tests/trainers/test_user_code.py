@@ -4,6 +4,7 @@ train, every row is checked as a prompt file's rows are, the engine is the
 one that generates, and a bad path or a wrong shape names the field."""
 
 import json
+import sys
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_one_step_off_generates_through_the_update_with_the_older_version(tmp_pa
 @pytest.mark.parametrize(
   ('engine', 'match'),
   [
-    ('vllm', r"`sampler\.engine`.* must be 'jrl' .* or an import path"),
+    ('sglang', r"`sampler\.engine`.* must be 'jrl' .* one of \('vllm',\) or an import path"),
     ('tests.user_code:no_such_engine', r"`sampler\.engine` '.*': .* has no 'no_such_engine'"),
     ('tests.user_code:make_not_an_engine', r"`sampler\.engine` '.*' made a dict, which is no"),
   ],
@@ -74,6 +75,15 @@ def test_one_step_off_generates_through_the_update_with_the_older_version(tmp_pa
 def test_bad_engine_names_the_field(tmp_path, engine, match):
   config = shrunk_config(tmp_path, {**QUIET, 'sampler.engine': engine, 'sft.steps': 0})
   with pytest.raises(ValueError, match=match):
+    trainers.build(config)
+
+
+def test_the_vllm_engine_without_vllm_names_the_field_and_the_install(tmp_path, monkeypatch):
+  """`sampler.engine='vllm'` loads third_party/vllm's factory; without vLLM
+  installed it says how to install it."""
+  monkeypatch.setitem(sys.modules, 'vllm', None)  # installed or not: an ImportError
+  config = shrunk_config(tmp_path, {**QUIET, 'sampler.engine': 'vllm', 'sft.steps': 0})
+  with pytest.raises(ValueError, match=r"'vllm': vLLM is not installed.*\[vllm\]"):
     trainers.build(config)
 
 

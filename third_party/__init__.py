@@ -1,0 +1,1 @@
+"""Optional adapters for outside engines and tools (README.md here); jrl/ never imports them."""

@@ -1,0 +1,1 @@
+"""vLLM as a rollout engine behind jrl's Engine contract (engine.py)."""
