@@ -45,6 +45,9 @@ def add_arguments(parser):
     help='with --model_path: word problems in its chat template, every sample --max_new tokens',
   )
   parser.add_argument(
+    '--free_len', action='store_true', help='--chat_prompts: end tokens allowed from the start'
+  )
+  parser.add_argument(
     '--vllm_threads', type=int, default=0, help='cores vLLM binds (0: its default, one kept)'
   )
   parser.add_argument('--vllm_kv_gib', type=int, default=2, help="vLLM's KV cache, GiB")
@@ -76,7 +79,13 @@ def print_mismatch(graphdef, params, requests, groups, width):
 def chat_requests(args):
   """--prompts word problems in the chat template of --model_path's tokenizer,
   its end tokens forbidden until --max_new (every sample that long, as in
-  the GRPO step compared with TRL). Returns (requests, stop tokens)."""
+  the GRPO step compared with TRL; allowed with --free_len). Returns
+  (requests, stop tokens).
+
+  With the end tokens forbidden, both engines record the logprobs of the
+  distribution without them, which the trainer's (over the whole
+  vocabulary) exceed by log(1 - p(end)): use --free_len to see the
+  engines' own mismatch."""
   from jrl import sampler
   from jrl.data import tasks
   from jrl.models.tokenizer import load_tokenizer
@@ -95,7 +104,7 @@ def chat_requests(args):
       sampler.Request(
         prompt=encoder.prompt_ids(question),
         max_new_tokens=args.max_new,
-        min_new_tokens=args.max_new,
+        min_new_tokens=0 if args.free_len else args.max_new,
         temperature=1.0,
         stop_tokens=tuple(tok.eos_ids),
         seed=i,
