@@ -12,7 +12,7 @@
     python launch/bench.py topology [--setup default|larger --steps 10]
     python launch/bench.py costmodel [--steps 8 --warmup 2]
     python launch/bench.py rewards [--n 2000 --programs 40 --humaneval_rounds 5]
-    python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --workers 16]
+    python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --workers 16]  # or: async
     python launch/bench.py partial [--swap_every 4 --versions 3 --drift 1e-3]
 
 Each benchmark is a module of launch/benches/ (its docstring says what it
@@ -51,6 +51,10 @@ BENCHES = {
   'partial': partial,
 }
 
+# Other names of a benchmark: `async` is the environment pool's (asynchronous RL's
+# never-stalled decoding).
+ALIASES = {'envs': ['async']}
+
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,11 +62,16 @@ def main(argv=None):
   for name, module in BENCHES.items():
     raw = argparse.RawDescriptionHelpFormatter
     parser_of = sub.add_parser(
-      name, help=module.HELP, description=module.__doc__, formatter_class=raw
+      name,
+      aliases=ALIASES.get(name, []),
+      help=module.HELP,
+      description=module.__doc__,
+      formatter_class=raw,
     )
     module.add_arguments(parser_of)
   args = parser.parse_args(argv)
-  BENCHES[args.bench].run(args)
+  name = next((k for k, v in ALIASES.items() if args.bench in v), args.bench)
+  BENCHES[name].run(args)
 
 
 if __name__ == '__main__':

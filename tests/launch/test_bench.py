@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -203,13 +204,33 @@ def test_sampler_bench_against_transformers_generate(tiny_smollm2, capsys):
   assert set(_engine_lines(out)) == {'paged', 'hf'}, out
   for ratio in ('tokens/s paged/hf', 'first call paged/hf', 'KV memory: paged peak'):
     assert ratio in out, out
-  with pytest.raises(SystemExit, match='--baseline hf needs --model_path'):
-    bench.main(['sampler', '--size', 'cpu-tiny', '--baseline', 'hf', *SAMPLER_TINY])
+  for baseline in ('hf', 'vllm'):
+    with pytest.raises(SystemExit, match=f'--baseline {baseline} needs --model_path'):
+      bench.main(['sampler', '--size', 'cpu-tiny', '--baseline', baseline, *SAMPLER_TINY])
+
+
+def test_sampler_bench_chat_prompts_are_templated_and_held_to_max_new(tiny_smollm2):
+  """`--chat_prompts`: word problems in the checkpoint's chat template, its
+  end tokens as stop tokens, forbidden until --max_new unless --free_len."""
+  from jrl.models.tokenizer import load_tokenizer
+  from launch.benches import sampler as sampler_bench
+
+  args = types.SimpleNamespace(model_path=tiny_smollm2, prompts=3, max_new=16, free_len=False)
+  requests, stop = sampler_bench.chat_requests(args)
+  tok = load_tokenizer(tiny_smollm2)
+  assert stop == tuple(tok.eos_ids) and len(requests) == 3
+  texts = [tok.decode(list(r.prompt)) for r in requests]
+  assert all('trees' in t and 'Solve the problem' in t for t in texts), texts
+  assert len(set(texts)) == 3  # three problems
+  assert all(r.min_new_tokens == r.max_new_tokens == 16 and r.stop_tokens == stop for r in requests)
+  args.free_len = True
+  assert all(r.min_new_tokens == 0 for r in sampler_bench.chat_requests(args)[0])
 
 
 def test_envs_bench_runs_inline_pooled_and_no_wait_on_the_same_trajectories(tmp_path, capsys):
   out_path = tmp_path / 'envs.json'
-  argv = ['envs', '--size', 'cpu-tiny', '--prompts', '2', '--group', '2', '--max_new', '32']
+  # `async` names this benchmark too.
+  argv = ['async', '--size', 'cpu-tiny', '--prompts', '2', '--group', '2', '--max_new', '32']
   bench.main(argv + ['--env_ms', '20', '--repeats', '1', '--turn_len', '8', '--out', str(out_path)])
   out = capsys.readouterr().out
   assert 'pooled / inline: x' in out
