@@ -51,6 +51,9 @@ def add_arguments(parser):
     '--vllm_threads', type=int, default=0, help='cores vLLM binds (0: its default, one kept)'
   )
   parser.add_argument('--vllm_kv_gib', type=int, default=2, help="vLLM's KV cache, GiB")
+  parser.add_argument(
+    '--vllm_weights_dir', default='', help='where versions are written (default: a temp dir)'
+  )
 
 
 def print_mismatch(graphdef, params, requests, groups, width):
@@ -133,23 +136,31 @@ def vllm_generate(args, ckpt, requests, group_size):
   c.task = dict(max_prompt_len=args.max_prompt, max_response_len=args.max_new)
   c.sampler = dict(num_slots=args.slots)
   c.sampler.vllm = dict(
-    kv_space_gib=args.vllm_kv_gib, threads=args.vllm_threads, weights_dir='', enforce_eager=False
+    kv_space_gib=args.vllm_kv_gib,
+    threads=args.vllm_threads,
+    weights_dir=args.vllm_weights_dir,
+    enforce_eager=False,
   )
   model = types.SimpleNamespace(config=ckpt.config, hf_config=ckpt.hf_config)
   engine = vllm_engine.make_engine(c, model, None, ())
   start = time.perf_counter()
   engine.load_weights(ckpt.params, 0)
   cold = time.perf_counter() - start
-  engine.load_weights(ckpt.params, 1)
+  pushes = []
+  for version in (1, 2, 3):
+    engine.load_weights(ckpt.params, version)
+    pushes.append((engine.stats.push_seconds, engine.stats.export_seconds))
+  push, export = statistics.median(p[0] for p in pushes), statistics.median(p[1] for p in pushes)
   children = psutil.Process().children(recursive=True)
   rss = sum(p.memory_info().rss for p in children if p.is_running())
   print(
-    f'  vllm: cold start {cold:.1f} s (export, start, compile); a weight push '
-    f'{engine.stats.push_seconds:.2f} s (export + reload); its processes hold {rss / 2**30:.2f} GiB'
+    f'  vllm: cold start {cold:.1f} s (export, start, compile); a weight push {push:.2f} s '
+    f'(export {export:.2f} s + reload; median of 3, the first {pushes[0][0]:.2f} s); '
+    f'its processes hold {rss / 2**30:.2f} GiB'
   )
 
   def run():
-    out = Groups(engine.generate(1, requests, group_size=group_size))
+    out = Groups(engine.generate(3, requests, group_size=group_size))
     out.cache_bytes = args.vllm_kv_gib * 2**30  # its KV cache is allocated whole
     return out
 

@@ -62,7 +62,8 @@ class Stats(NamedTuple):
   new_tokens: int = 0
   seconds: float = 0.0
   weight_pushes: int = 0  # versions loaded so far
-  push_seconds: float = 0.0  # the latest push: export + reload
+  push_seconds: float = 0.0  # the latest push: export + reload (or start)
+  export_seconds: float = 0.0  # of which jrl's export of the weights
 
 
 def sample_seed(seed, index):
@@ -105,10 +106,11 @@ def untied(model_config, params):
   decode with the first's output projection); the model computes the same."""
   if not model_config.tie_embeddings:
     return model_config, params
-  import jax.numpy as jnp
+  from jrl import distributed
 
   tree = dict(params)
-  tree['lm_head'] = {'kernel': jnp.asarray(params['embed']['embedding']).T}
+  # A view: the export transposes it back to the embedding's own host array.
+  tree['lm_head'] = {'kernel': np.asarray(distributed.fetch(params['embed']['embedding'])).T}
   return model_config.replace(tie_embeddings=False), tree
 
 
@@ -158,6 +160,7 @@ class VllmEngine:
     with self._span('reshard'):
       config, params = untied(self.model.config, params)
       hf.save(self.weights_dir, config, params, hf_config=self.model.hf_config)
+      exported = time.perf_counter() - start
       if self.llm is None:
         self._start()
       else:
@@ -165,7 +168,9 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
     self.version = version
     self.stats = self.stats._replace(
-      weight_pushes=self.stats.weight_pushes + 1, push_seconds=time.perf_counter() - start
+      weight_pushes=self.stats.weight_pushes + 1,
+      push_seconds=time.perf_counter() - start,
+      export_seconds=exported,
     )
     return version
 
