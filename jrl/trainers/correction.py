@@ -56,10 +56,10 @@ def proximal(logprobs, params, generated, it, resources):
   `jrl.losses.importance_weights`) and their metrics. Otherwise a rollout
   of the current version (`generated.version == it`) keeps its behaviour
   logprobs, weights 1."""
-  recompute = recomputes_logprobs(resources.config)
+  config = resources.config
+  recompute = recomputes_logprobs(config)
   if generated.version == it and not recompute:
     return generated.old_logp, jnp.ones_like(generated.old_logp), {}
-  config = resources.config
   with resources.tracer.span('proximal'):
     old_logp = common.minibatched(
       logprobs, params, generated.batch, config.rl.minibatch_size, resources.batch_sharding

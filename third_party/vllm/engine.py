@@ -32,10 +32,12 @@ offline API only:
 jrl/ never imports this module: `sampler.engine` names it.
 """
 
+import contextlib
 import os
 import time
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 INSTALL = (
@@ -134,8 +136,6 @@ class VllmEngine:
     self.tracer = None
 
   def _span(self, name):
-    import contextlib
-
     return self.tracer.span(name) if self.tracer is not None else contextlib.nullcontext()
 
   def _start(self):
@@ -238,7 +238,7 @@ class VllmEngine:
       self.llm = None
 
 
-def cpu_head_sizes(vllm):
+def cpu_head_sizes():
   """The head sizes vLLM's CPU attention runs, or None off the CPU (or when
   this vLLM does not say)."""
   try:
@@ -246,7 +246,6 @@ def cpu_head_sizes(vllm):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
   except ImportError:
     return None
-  del vllm
   return CPUAttentionBackend.get_supported_head_sizes() if current_platform.is_cpu() else None
 
 
@@ -257,14 +256,13 @@ def make_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_ove
     raise ValueError(
       f"`sampler.engine` 'vllm' does not take {sorted(engine_overrides)}: {REFUSED_OVERRIDES}."
     )
-  import jax
-
   if jax.process_count() > 1:
     raise ValueError(
       "`sampler.engine` 'vllm' runs with one jrl process (vLLM starts processes of its own); "
       f'this run has {jax.process_count()}.'
     )
-  sizes = cpu_head_sizes(import_vllm())
+  import_vllm()  # names the field when vLLM is not installed
+  sizes = cpu_head_sizes()
   if sizes is not None and model.config.head_dim not in sizes:
     raise ValueError(
       f"`model.head_dim` {model.config.head_dim}: vLLM's CPU attention runs head sizes {sizes} "
