@@ -13,6 +13,10 @@ Three implementations (`resolve_impl` picks one by backend for 'auto'):
   model's `dot_attention`, with a strict length mask. Values at masked positions are zeroed before
   the weighted sum, so garbage in any page a slot does not own (NaN, inf)
   cannot leak into its output.
+* 'cpu' (CPU): jrl's C++ kernel through XLA's FFI (`jrl.sampler.cpu_kernel`,
+  built on first use), which reads each slot's pages where they lie instead
+  of gathering a copy, and never reads a position a slot cannot see; float32
+  queries and pages, no window ('auto' takes it where it builds).
 * 'pallas_gpu' (GPU): jrl's Pallas kernel (`jrl.sampler.kernels`), one
   program per slot and head walking the slot's pages with an online softmax;
   pages and head widths must be powers of two, else 'auto' takes the gather
@@ -34,17 +38,21 @@ import jax
 import jax.numpy as jnp
 
 from jrl.models.attention import NEG_INF, attention_scores
-from jrl.sampler import kernels
+from jrl.sampler import cpu_kernel, kernels
 
-IMPLEMENTATIONS = ('auto', 'gather', 'pallas_gpu', 'pallas_tpu')
+IMPLEMENTATIONS = ('auto', 'gather', 'cpu', 'pallas_gpu', 'pallas_tpu')
 
 
-def resolve_impl(impl, page_size=None, head_dim=None, backend=None, kv_dtype=None):
+def resolve_impl(
+  impl, page_size=None, head_dim=None, backend=None, kv_dtype=None, q_dtype=jnp.float32
+):
   """The implementation `impl` names for pages of `page_size` tokens and
   heads of `head_dim` on `backend` (default: JAX's): 'auto' is 'pallas_tpu'
   on a TPU for a bfloat16 cache (the kernel reads keys and values as
   bfloat16, so a float32 cache keeps the exact gather path), 'pallas_gpu'
-  on a GPU where the sizes suit it, else 'gather'."""
+  on a GPU where the sizes suit it, 'cpu' on the CPU for float32 queries
+  and pages where jrl's C++ kernel builds (`jrl.sampler.cpu_kernel`), else
+  'gather'."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'`attention_impl` must be one of {IMPLEMENTATIONS}, got {impl!r}.')
   fits_gpu = kernels.gpu_supported(page_size or 1, head_dim or 1)  # unknown sizes: no check
@@ -53,11 +61,18 @@ def resolve_impl(impl, page_size=None, head_dim=None, backend=None, kv_dtype=Non
       f"`attention_impl`='pallas_gpu' needs a power-of-two `page_size` and head width, "
       f'got {page_size} and {head_dim}.'
     )
+  if impl == 'cpu' and kv_dtype is not None and not cpu_kernel.supports(q_dtype, kv_dtype):
+    raise ValueError(
+      f"`attention_impl`='cpu' needs float32 queries and pages, got {jnp.dtype(q_dtype)} "
+      f'and {jnp.dtype(kv_dtype)}.'
+    )
   if impl == 'auto':
     backend = backend or jax.default_backend()
     if backend == 'tpu':
       bf16 = kv_dtype is None or jnp.dtype(kv_dtype) == jnp.bfloat16
       return 'pallas_tpu' if bf16 else 'gather'
+    if backend == 'cpu' and cpu_kernel.supports(q_dtype, kv_dtype) and cpu_kernel.available():
+      return 'cpu'
     return 'pallas_gpu' if backend == 'gpu' and fits_gpu else 'gather'
   return impl
 
@@ -143,7 +158,11 @@ def paged_attention(
   window=None,
 ):
   """Dispatch on `impl`; sliding-window layers always take the gather path."""
-  kernel = {'pallas_gpu': kernels.paged_attention_gpu, 'pallas_tpu': kernels.paged_attention_tpu}
+  kernel = {
+    'cpu': cpu_kernel.paged_attention_cpu,
+    'pallas_gpu': kernels.paged_attention_gpu,
+    'pallas_tpu': kernels.paged_attention_tpu,
+  }
   if impl in kernel and window is None:
     return kernel[impl](
       q_SxHxd, k_pages, v_pages, page_table_SxM, lengths_S, scale=scale, softcap=softcap

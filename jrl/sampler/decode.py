@@ -49,7 +49,11 @@ def decode_step(graphdef, params, state, cfg, max_pages=None, truncate=None):
   """
   model = nnx.merge(graphdef, params)
   impl = paged.resolve_impl(
-    cfg.attention_impl, cfg.page_size, model.config.head_dim, kv_dtype=state.k_pages[0].dtype
+    cfg.attention_impl,
+    cfg.page_size,
+    model.config.head_dim,
+    kv_dtype=state.k_pages[0].dtype,
+    q_dtype=model.config.compute_dtype,
   )
   live_S = state.active & ~state.done
   state = _grow_pages(state, live_S, cfg)

@@ -124,7 +124,15 @@ def sample(logits_SxV, keys_S, params, truncate=None):
     z_SxV = _truncate(z_SxV, params.top_k, params.top_p)
   z_SxV = jnp.where(params.greedy[:, None], logits_SxV, z_SxV)
   drawn_S = draw(z_SxV, keys_S)
-  tokens_S = jnp.where(params.greedy, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
+  # The argmax over [S, V] only when some slot is greedy (a cond; under vmap
+  # a select that computes it anyway).
+  argmax_S = jax.lax.cond(
+    jnp.any(params.greedy),
+    lambda z: jnp.argmax(z, axis=-1).astype(jnp.int32),
+    lambda z: jnp.zeros(z.shape[:1], jnp.int32),
+    logits_SxV,
+  )
+  tokens_S = jnp.where(params.greedy, argmax_S, drawn_S).astype(jnp.int32)
   # Log-probabilities in float32, under the distribution sampled from.
   logp_SxV = jax.nn.log_softmax(z_SxV, axis=-1)
   logp_S = jnp.take_along_axis(logp_SxV, tokens_S[:, None], axis=-1)[:, 0]

@@ -1,5 +1,6 @@
-"""Paged attention: the gather path against the model's dense attention, and
-the Pallas kernels (GPU, TPU) against the gather path in interpret mode."""
+"""Paged attention: the gather path against the model's dense attention, jrl's
+C++ CPU kernel against the gather path, and the Pallas kernels (GPU, TPU)
+against the gather path in interpret mode."""
 
 import functools
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from jrl.models.attention import dot_attention
-from jrl.sampler import attention, engine
+from jrl.sampler import attention, cpu_kernel, engine
 
 
 def _dense_reference(q, k_pages, v_pages, table, lengths):
@@ -146,6 +147,88 @@ def test_tpu_kernel_equals_the_gather_path_in_interpret_mode():
     for kp, vp in ((k_pages, v_pages), (garbage(k_pages, k_dirty), garbage(v_pages, v_dirty))):
       got = attention.paged_attention('pallas_tpu', q, kp, vp, table, lengths, **opts)
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+needs_cpu_kernel = pytest.mark.skipif(
+  not cpu_kernel.available(), reason=f'no C++ compiler here: {cpu_kernel.unavailable_reason()}'
+)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize('heads, kv_heads', [(4, 2), (6, 2), (4, 4), (9, 3)])
+@pytest.mark.parametrize('scale, softcap', [(None, None), (0.3, None), (None, 5.0)])
+def test_cpu_kernel_equals_the_gather_path(heads, kv_heads, scale, softcap):
+  q, k_pages, v_pages, table, lengths, k_dirty, v_dirty = _paged_case(
+    np.random.default_rng(heads * kv_heads), heads, kv_heads, d=64, page=16
+  )
+  opts = dict(scale=scale, softcap=softcap)
+  want = attention.paged_attention_gather(q, k_pages, v_pages, table, lengths, **opts)
+  for kp, vp in ((k_pages, v_pages), (k_dirty, v_dirty)):
+    got = jax.jit(functools.partial(cpu_kernel.paged_attention_cpu, **opts))(
+      q, kp, vp, table, lengths
+    )
+    assert np.all(np.isfinite(np.asarray(got)))  # NaN where no slot reads stays unread
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+  got = attention.paged_attention('cpu', q, k_pages, v_pages, table, lengths, **opts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_on_empty_slots_bad_tables_and_replicas():
+  """A slot of length 0 gets zeros as on the gather path; page ids outside
+  the pool and lengths past the table are read as JAX's indexing reads
+  them (negative ids from the end, the rest clamped: nothing outside the
+  buffers); under vmap (the sampler's replica axis) each replica is its
+  own call."""
+  rng = np.random.default_rng(7)
+  q, k_pages, v_pages, table, lengths, _, _ = _paged_case(rng, 4, 2)
+  table = table.at[1, 3].set(10**6).at[2, 0].set(-5)
+  lengths = lengths.at[3].set(0).at[1].set(10**6)
+  want = attention.paged_attention_gather(q, k_pages, v_pages, table, lengths)
+  got = cpu_kernel.paged_attention_cpu(q, k_pages, v_pages, table, lengths)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+  np.testing.assert_array_equal(np.asarray(got[3]), 0.0)
+  stack = lambda x: jnp.stack([x, jnp.flip(x, 0)])
+  qs, ts, ls = stack(q), stack(table), stack(lengths)
+  got = jax.vmap(cpu_kernel.paged_attention_cpu, in_axes=(0, None, None, 0, 0))(
+    qs, k_pages, v_pages, ts, ls
+  )
+  for r in range(2):
+    want = attention.paged_attention_gather(qs[r], k_pages, v_pages, ts[r], ls[r])
+    np.testing.assert_allclose(np.asarray(got[r]), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+@needs_cpu_kernel
+def test_auto_takes_the_cpu_kernel_for_float32_only():
+  pick = functools.partial(attention.resolve_impl, 'auto', 16, 64, backend='cpu')
+  assert pick(kv_dtype=jnp.float32) == 'cpu'
+  assert pick(kv_dtype=jnp.float32, q_dtype=jnp.bfloat16) == 'gather'
+  with pytest.raises(ValueError, match="'cpu' needs float32 queries and pages"):
+    attention.resolve_impl('cpu', 16, 64, kv_dtype=jnp.bfloat16)
+
+
+def test_cpu_kernel_build_failure_is_reported_and_auto_falls_back(tmp_path, monkeypatch):
+  """No working compiler: `available()` is False with the failing command
+  and its output, 'auto' keeps the gather path, and asking for the kernel
+  raises that reason."""
+  monkeypatch.setenv('JRL_KERNEL_CACHE', str(tmp_path))  # nothing cached there
+  monkeypatch.setenv('CXX', 'false')
+  was_built = cpu_kernel.available()
+  cpu_kernel._register.cache_clear()
+  try:
+    assert not cpu_kernel.available()
+    assert cpu_kernel.unavailable_reason().startswith('false -O3')
+    assert attention.resolve_impl('auto', 16, 64, backend='cpu', kv_dtype=jnp.float32) == 'gather'
+    with pytest.raises(RuntimeError, match="attention_impl='cpu' needs jrl's CPU kernel"):
+      cpu_kernel.paged_attention_cpu(*_paged_case(np.random.default_rng(0), 4, 2)[:5])
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
+    monkeypatch.setenv('JRL_CPU_KERNEL', '0')
+    cpu_kernel._register.cache_clear()
+    assert not cpu_kernel.available() and cpu_kernel.unavailable_reason() == 'JRL_CPU_KERNEL=0'
+  finally:
+    monkeypatch.undo()
+    cpu_kernel._register.cache_clear()
+    assert cpu_kernel.available() == was_built
 
 
 def test_gpu_kernel_lowers_to_triton_without_a_gpu():

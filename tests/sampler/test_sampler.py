@@ -1097,17 +1097,22 @@ def test_compaction_samples_the_same():
     assert st.slots_active_at_end == 0
 
 
-def test_the_gpu_kernel_samples_what_the_gather_path_samples():
+def test_the_kernels_sample_what_the_gather_path_samples():
   """The whole sampler with `attention_impl='pallas_gpu'` (interpret mode on
-  the CPU): the same tokens, logprobs to 1e-5."""
+  the CPU) and with jrl's C++ CPU kernel (where a compiler builds it): the
+  same tokens, logprobs to 1e-5."""
+  from jrl.sampler import cpu_kernel
+
   graphdef, params = _model()
   requests = _requests(MIXED, seed=41)[:2]
+  impls = ('gather', 'pallas_gpu') + (('cpu',) if cpu_kernel.available() else ())
   got = {}
-  for impl in ('gather', 'pallas_gpu'):
+  for impl in impls:
     smp = Sampler(graphdef, CFG, ECFG._replace(attention_impl=impl), steps_per_dispatch=4)
     got[impl] = smp.generate(params, requests, group_size=2)
-  _assert_same(got['pallas_gpu'], got['gather'], logp_atol=1e-5)
-  # A Pallas kernel is not partitioned by jax.jit: 'auto' on a mesh of several
+  for impl in impls[1:]:
+    _assert_same(got[impl], got['gather'], logp_atol=1e-5)
+  # A kernel is not partitioned by jax.jit: 'auto' on a mesh of several
   # devices takes the gather path; on one device it stays 'auto' (by backend).
   mesh = parallel.make_mesh(8)
   assert Sampler(graphdef, CFG, ECFG, mesh=mesh).cfg.attention_impl == 'gather'
