@@ -40,7 +40,7 @@ from jrl.sampler.engine import EngineConfig
 from jrl.sampler.prefill import default_buckets
 from jrl.sampler.refresh import refresh_kv
 from jrl.sampler.requests import Completion, Request, check_requests, slot_request
-from jrl.sampler.scheduler import SamplerStats, Scheduler, pack_admissions
+from jrl.sampler.scheduler import SamplerStats, Scheduler, narrower_width, pack_admissions
 from jrl.sampler.state import state_shardings
 
 
@@ -178,8 +178,8 @@ class Sampler:
       return per_replica(step)(state, tokens, lengths, slots, request, valid)
 
     # `until_live`: a dispatch ends early once at most that many rows are
-    # live (with compaction and one replica: half of them), so that the next
-    # one decodes the rest on fewer rows. Not with several replicas: each
+    # live (with compaction and one replica: the next narrower row width),
+    # so that the next one decodes the rest on fewer rows. Not with several replicas: each
     # replica's loop would stop on its own count, idling it while the
     # others run.
     def generate(params, state, num_steps, max_pages, truncate, until_live=0):
@@ -413,10 +413,11 @@ class Sampler:
         early = self.compaction and self.replicas == 1
         if index is None:
           width = sched.num_slots
-          state = self._generate(params, state, **decode, until_live=early * sched.sr // 2)
+          until_live = early * narrower_width(sched.sr)
+          state = self._generate(params, state, **decode, until_live=until_live)
         else:
           width = index.size
-          until_live = early * index.shape[1] // 2
+          until_live = early * narrower_width(index.shape[1])
           state = self._generate_slots(params, state, index, **decode, until_live=until_live)
           stats.compactions += 1
         done, free_top, held, gen = (

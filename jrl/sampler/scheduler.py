@@ -59,6 +59,28 @@ def pow2_at_least(n):
   return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
+def row_width(n):
+  """Rows a decode dispatch runs for `n` live slots: the smallest power of
+  two or three quarters of one (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) that
+  holds them, so that under a third of the rows idle while at most
+  2 log2(S) widths compile."""
+  p = pow2_at_least(n)
+  return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
+
+
+def narrower_width(width):
+  """The largest `row_width` value below `width` (0 if none): a dispatch of
+  `width` rows ends once at most that many are live, so that the next one
+  runs on fewer rows."""
+  best, p = 0, 1
+  while p < width:
+    best = p
+    if p >= 2 and 3 * p // 2 < width:
+      best = 3 * p // 2
+    p *= 2
+  return best
+
+
 class PrefillRound(NamedTuple):
   """The arguments of one batched prefill call over R replicas."""
 
@@ -252,16 +274,16 @@ class Scheduler:
   def decode_index(self):
     """The slots the next dispatch decodes: an [R, Sc] int32 array of local
     slot ids, each replica's live slots first (ascending) and idle ones
-    after them, with Sc the power of two that holds the most live slots of
+    after them, with Sc the `row_width` that holds the most live slots of
     any replica; None when that is every slot (Sc >= sr). So finished and
-    idle slots cost no decode work, and at most log2(sr) narrower programs
-    compile."""
+    idle slots cost little decode work, and at most 2 log2(sr) narrower
+    programs compile."""
     num_r, sr = self.num_r, self.sr
     live = [[] for _ in range(num_r)]
     for s in sorted(self.slot_owner):
       if s not in self.parked:
         live[s // sr].append(s % sr)
-    width = pow2_at_least(max(len(x) for x in live))
+    width = row_width(max(len(x) for x in live))
     if width >= sr:
       return None
     index = np.zeros((num_r, width), np.int32)

@@ -313,18 +313,24 @@ def run(args):
     name: functools.partial(e.generate, params, requests, group_size=g)
     for name, e in engines.items()
   }
-  if args.baseline == 'hf':
-    runs['hf'] = hf_generate(args.model_path, requests, g, args.max_new, stop)
-  elif args.baseline == 'vllm':
-    import tempfile
 
-    args.vllm_dir = tempfile.mkdtemp(prefix='jrl-bench-vllm-')
-    runs['vllm'] = vllm_generate(args, ckpt, requests, g)
-  else:
-    runs['dense'] = run_dense
+  def baseline_run():
+    # Started only after jrl's runs, so that vLLM's processes (or the
+    # baseline's memory) are not there while jrl is measured.
+    if args.baseline == 'hf':
+      return hf_generate(args.model_path, requests, g, args.max_new, stop)
+    if args.baseline == 'vllm':
+      import tempfile
+
+      args.vllm_dir = tempfile.mkdtemp(prefix='jrl-bench-vllm-')
+      return vllm_generate(args, ckpt, requests, g)
+    return run_dense
+
+  runs[args.baseline] = None
   base = args.baseline
   results = {}
   for name, fn in runs.items():
+    fn = fn or baseline_run()
     start = time.perf_counter()
     with common.compile_seconds() as compiled:
       out = fn()

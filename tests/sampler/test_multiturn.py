@@ -169,14 +169,25 @@ def test_parked_samples_sample_what_inline_answers_sample():
   want = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=_answer)
   inline_turns = SAMPLER.stats.env_turns
   pool = concurrent.futures.ThreadPoolExecutor(4)
-  rng, lock = random.Random(0), threading.Lock()
+  rng, lock, calls = random.Random(0), threading.Lock(), []
+  # The first two answers wait for each other and then 0.2 s more, so two
+  # samples are parked at once whatever the compile times (the others keep
+  # decoding meanwhile).
+  both = threading.Barrier(2)
 
   def later(i, g, tokens):
     with lock:
+      calls.append(i)
+      first_two = len(calls) <= 2
       delay = rng.choice([0.0, 0.01, 0.05, 0.2])
 
     def answer():
-      time.sleep(delay)
+      if first_two:
+        try:
+          both.wait(timeout=60)
+        except threading.BrokenBarrierError:
+          pass  # the parked-peak assertion below says what went wrong
+      time.sleep(0.2 if first_two else delay)
       return _answer(i, g, tokens)
 
     return pool.submit(answer)

@@ -1126,18 +1126,37 @@ def test_the_kernels_sample_what_the_gather_path_samples():
 
 def test_decode_index_keeps_the_occupied_slots_of_each_replica():
   """The rows a dispatch decodes: each replica's occupied slots in order, then
-  idle ones up to a power of two; None when that is every slot."""
+  idle ones up to a row width (a power of two or three quarters of one);
+  None when that is every slot."""
   from jrl.sampler.scheduler import Scheduler
 
   cfg = ECFG._replace(num_slots=16)
   sched = Scheduler([], 1, True, cfg, 2, 8, 8)  # 2 replicas of 8 slots
   assert sched.decode_index() is not None  # nothing occupied: one row each
   sched.slot_owner = {s: None for s in (1, 6, 9, 10, 12)}  # replica 0: 1, 6; replica 1: 1, 2, 4
-  np.testing.assert_array_equal(sched.decode_index(), [[1, 6, 0, 2], [1, 2, 4, 0]])
-  sched.slot_owner = {s: None for s in (0, 1, 2, 3, 4, 8)}  # 5 occupied on replica 0: all 8
+  np.testing.assert_array_equal(sched.decode_index(), [[1, 6, 0], [1, 2, 4]])
+  sched.slot_owner = {s: None for s in (1, 6, 9, 10, 12, 13)}  # 4 on replica 1
+  np.testing.assert_array_equal(sched.decode_index(), [[1, 6, 0, 2], [1, 2, 4, 5]])
+  sched.slot_owner = {s: None for s in (0, 1, 2, 3, 4)}  # 5 on replica 0: 6 rows
+  np.testing.assert_array_equal(sched.decode_index(), [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])
+  sched.slot_owner = {s: None for s in (0, 1, 2, 3, 4, 5, 6, 8)}  # 7 on replica 0: all 8
   assert sched.decode_index() is None
   sched.slot_owner = {3: None}
   np.testing.assert_array_equal(sched.decode_index(), [[3], [0]])
+
+
+def test_row_widths_leave_under_a_third_idle():
+  from jrl.sampler.scheduler import narrower_width, row_width
+
+  assert [row_width(n) for n in range(1, 18)] == [
+    1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24
+  ]  # fmt: skip
+  for n in range(1, 300):
+    w = row_width(n)
+    assert n <= w and (w - n) * 3 < w
+    assert narrower_width(w) < n  # a dispatch that narrows never holds fewer rows than live
+    assert row_width(narrower_width(w)) == narrower_width(w) or narrower_width(w) == 0
+  assert [narrower_width(w) for w in (1, 2, 4, 8, 12, 16, 20, 32)] == [0, 1, 3, 6, 8, 12, 16, 24]
 
 
 def test_compilation_cache_persists_programs(tmp_path):
