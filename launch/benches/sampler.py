@@ -56,7 +56,7 @@ def add_arguments(parser):
   )
 
 
-def print_mismatch(graphdef, params, requests, groups, width):
+def print_mismatch(graphdef, params, requests, groups, width, name='vllm'):
   """The engine's logprobs of its sampled tokens against the trainer's
   (`models.next_token_logprobs` on prompt + completion): mean, max and tail."""
   from jrl import models
@@ -74,7 +74,7 @@ def print_mismatch(graphdef, params, requests, groups, width):
   diff = np.concatenate(diffs)
   tails = ', '.join(f'{np.mean(diff > b):.1%} > {b:g}' for b in (1e-4, 1e-3, 1e-2, 1e-1))
   print(
-    f'  vllm logprobs vs the trainer: mean |diff| {diff.mean():.2e}, max {diff.max():.2e} '
+    f'  {name} logprobs vs the trainer: mean |diff| {diff.mean():.2e}, max {diff.max():.2e} '
     f'over {diff.size} tokens ({tails})'
   )
 
@@ -397,7 +397,9 @@ def run(args):
   if long_tail:
     print(f'  tokens/s compaction/none: x{rate("paged") / rate("paged, no compaction"):.2f}')
   if base == 'vllm':
-    print_mismatch(graphdef, params, requests, d['out'], args.max_prompt + args.max_new)
+    width = args.max_prompt + args.max_new
+    print_mismatch(graphdef, params, requests, p['out'], width, name='paged')
+    print_mismatch(graphdef, params, requests, d['out'], width)
   print(
     f'  KV memory: paged peak {paged_bytes / 2**20:.1f} MiB in use '
     f'({smp.stats.peak_pages} pages of {page}) vs {base} {dense_bytes / 2**20:.1f} MiB '
