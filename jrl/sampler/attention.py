@@ -7,11 +7,12 @@ its tokens in order: token i of the slot lives in page `table[i // P]` at
 offset `i % P`. Page 0 is a scratch page: unused table entries and the
 writes of idle slots point there, and it is never read unmasked.
 
-Three implementations (`resolve_impl` picks one by backend for 'auto'):
-* 'gather' (CPU, and the reference everywhere): gather the slot's pages
-  as [K, S, M, P, d] and compute the same float32 softmax attention as the
-  model's `dot_attention`, with a strict length mask. Values at masked positions are zeroed before
-  the weighted sum, so garbage in any page a slot does not own (NaN, inf)
+Four implementations (`resolve_impl` picks one by backend for 'auto'):
+* 'gather' (the reference everywhere; the CPU's where the C++ kernel does
+  not build): gather the slot's pages as [K, S, M, P, d] and compute the
+  same float32 softmax attention as the model's `dot_attention`, with a
+  strict length mask. Values at masked positions are zeroed before the
+  weighted sum, so garbage in any page a slot does not own (NaN, inf)
   cannot leak into its output.
 * 'cpu' (CPU): jrl's C++ kernel through XLA's FFI (`jrl.sampler.cpu_kernel`,
   built on first use), which reads each slot's pages where they lie instead

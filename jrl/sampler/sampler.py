@@ -179,9 +179,9 @@ class Sampler:
 
     # `until_live`: a dispatch ends early once at most that many rows are
     # live (with compaction and one replica: the next narrower row width),
-    # so that the next one decodes the rest on fewer rows. Not with several replicas: each
-    # replica's loop would stop on its own count, idling it while the
-    # others run.
+    # so that the next one decodes the rest on fewer rows. Not with several
+    # replicas: each replica's loop would stop on its own count, idling it
+    # while the others run.
     def generate(params, state, num_steps, max_pages, truncate, until_live=0):
       step = lambda st: engine.generate(
         graphdef, params, st, rcfg, num_steps, max_pages, truncate, until_live
