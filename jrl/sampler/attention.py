@@ -78,6 +78,23 @@ def resolve_impl(
   return impl
 
 
+def needs_page_bound(engine_config, model_config):
+  """Whether decode dispatches bound the page table's width by the pages in
+  use (`jrl.sampler.pages.attend_pages`, one program per bound). The gather
+  path copies every column of the table, so the bound saves work; the C++
+  kernel reads each slot's pages up to its length only, so with it one
+  width (every page) serves every dispatch and nothing recompiles as
+  sequences grow."""
+  impl = resolve_impl(
+    engine_config.attention_impl,
+    engine_config.page_size,
+    model_config.head_dim,
+    kv_dtype=model_config.compute_jnp_dtype,
+    q_dtype=model_config.compute_dtype,
+  )
+  return impl != 'cpu'
+
+
 def write_token(k_pages, v_pages, k_SxKxd, v_SxKxd, page_S, offset_S):
   """Writes one token's k, v per slot at (page, offset); returns the pools."""
   k_KxSxd = jnp.swapaxes(k_SxKxd, 0, 1).astype(k_pages.dtype)

@@ -26,6 +26,7 @@ each with the slot's own key.
 import jax
 import jax.numpy as jnp
 
+from jrl.sampler.attention import needs_page_bound
 from jrl.sampler.controls import (
   controlled_logits,
   is_stop,
@@ -269,6 +270,7 @@ __all__ = [
   'init_state',
   'insert',
   'insert_batch',
+  'needs_page_bound',
   'pages_needed',
   'pool_pages',
   'prefill',

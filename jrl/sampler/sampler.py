@@ -11,11 +11,10 @@ bucket length; with `prefill_chunk`, one bucket and a traced number of
 chunks), inserted into free slots, decoded `steps_per_dispatch` tokens per
 jitted call, and finished slots are freed and refilled from the queue
 between dispatches. A dispatch decodes only the occupied slots (gathered
-into a power-of-two number of rows, `engine.generate_slots`), so the idle
-slots of a refill round and the long tail of a batch do not run through
-the model. The host bookkeeping (admission, page promises, the slots each
-dispatch decodes) is `jrl.sampler.scheduler`; requests, their checks
-and their seeds are `jrl.sampler.requests`.
+into a `scheduler.row_width` of rows, `engine.generate_slots`), so idle
+slots and a batch's long tail do not run through the model. The host
+bookkeeping (admission, page promises, the slots each dispatch decodes) is
+`jrl.sampler.scheduler`; requests, checks and seeds `jrl.sampler.requests`.
 
 Data-parallel replicas (`replicas=R`): every decode-state array has a
 leading [R] axis sharded over the mesh's batch axes; replica r owns S/R
@@ -87,9 +86,8 @@ class Sampler:
       power of two up to this (capped by the groups a replica can hold), so
       a refill of a few prompts costs a few prefills.
     compaction: each dispatch decodes only the occupied slots of each
-      replica, gathered into the power of two of rows that holds them
-      (`engine.generate_slots`), so that idle and finished slots cost no
-      decode work; False decodes every slot every step.
+      replica, in the `row_width` that holds them (`engine.generate_slots`);
+      False decodes every slot every step.
   """
 
   parks_turns = True  # `on_turn_end` may answer with a Future (`generate`)
@@ -145,6 +143,7 @@ class Sampler:
     self.slots_per_replica = engine_config.num_slots // replicas
     self.max_prefill_batch = max_prefill_batch or self.slots_per_replica
     self.compaction = compaction
+    self._page_bound = engine.needs_page_bound(engine_config, model_config)
     self.mesh = mesh
     self.stats = SamplerStats()
     self.tracer = trace.NULL  # the controller sets its own to record prefill/decode spans
@@ -406,7 +405,9 @@ class Sampler:
         start = time.perf_counter()
         t_start = self.tracer.now()
         active = len(sched.slot_owner)
-        max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
+        max_pages = cfg.max_pages_per_slot
+        if self._page_bound:
+          max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
         decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
         # Idle and finished slots cost nothing: decode the occupied ones only.
         index = sched.decode_index() if self.compaction else None

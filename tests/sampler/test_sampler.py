@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jrl.models as M
-from jrl import parallel
+from jrl import parallel, trace
 from jrl.sampler import (
   EngineConfig,
   Request,
@@ -1122,6 +1122,28 @@ def test_the_kernels_sample_what_the_gather_path_samples():
     ).cfg.attention_impl
     == 'auto'
   )
+
+
+def test_the_cpu_kernel_decodes_every_length_with_one_page_width():
+  """The gather path bounds the page table's width by the pages in use (a
+  program per bound); the C++ kernel reads each slot's pages up to its
+  length, so every dispatch takes the whole table: the same samples, and
+  no program per bound."""
+  from jrl.sampler import cpu_kernel
+
+  if not cpu_kernel.available():
+    pytest.skip(f'no C++ compiler here: {cpu_kernel.unavailable_reason()}')
+  graphdef, params = _model()
+  requests = _requests(seed=43)
+  got, widths = {}, {}
+  for impl in ('gather', 'cpu'):
+    smp = Sampler(graphdef, CFG, ECFG._replace(attention_impl=impl), steps_per_dispatch=STEPS)
+    smp.tracer = trace.Tracer()
+    got[impl] = smp.generate(params, requests, group_size=2)
+    widths[impl] = {e['args']['max_pages'] for e in smp.tracer.events if e['name'] == 'decode'}
+  _assert_same(got['cpu'], got['gather'], logp_atol=1e-5)
+  assert len(widths['gather']) > 1
+  assert widths['cpu'] == {ECFG.max_pages_per_slot}
 
 
 def test_decode_index_keeps_the_occupied_slots_of_each_replica():
