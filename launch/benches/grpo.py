@@ -117,7 +117,8 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
     f'{p}first step (compiles included): {records[0]["time/step"]:.1f} s, of which '
     f'compiling {compiling[0]:.1f} s; compiling in later steps: '
     + (', '.join(f'{c:.1f}' for c in compiling[1:]) or '-')
-    + " s (e.g. the sampler's power-of-two page bounds; included in the medians)"
+    + " s (new shapes: the update's row-length buckets, the gather path's page bounds;"
+    + ' included in the medians)'
   )
   print(f'{p}generate:  {gen_tokens / med("time/generate"):9.0f} tokens/s')
   if rl.kl_coef > 0:
