@@ -7,7 +7,7 @@ import numpy as np
 from jrl.costmodel.workload import tokens_run
 from jrl.sampler.pages import attend_pages, pool_pages
 from jrl.sampler.requests import Request
-from jrl.sampler.scheduler import Scheduler
+from jrl.sampler.scheduler import Scheduler, narrower_width
 from jrl.sampler.state import LENGTH, EngineConfig
 
 
@@ -18,13 +18,13 @@ def simulate_generation(workload, lengths=None, early_exit=True):
   The sampler's own bookkeeping decides: `jrl.sampler.Scheduler` admits the
   groups (in order, while a replica has G free slots and room in its page
   pool, sized as `sampler.num_pages` = 0 sizes it), picks the rows a
-  dispatch decodes (`decode_index`: the occupied slots, gathered into a power
-  of two of rows, or every slot) and retires finished samples;
-  `attend_pages` gives the page bound. What runs on the device is played
+  dispatch decodes (`decode_index`: the occupied slots, gathered into a
+  `row_width` of rows, or every slot) and retires finished samples;
+  `attend_pages` gives the gather path's page bound. What runs on the device is played
   here: each occupied slot decodes until its completion of `lengths` tokens
   is done, for at most `steps_per_dispatch` steps, the dispatch ending early
   once no slot is live or, with `early_exit` (the sampler's one-replica
-  case), once at most half its rows are.
+  case), once the next narrower row width holds the live rows.
   """
   w = workload
   lengths = list(workload.response_lengths() if lengths is None else lengths)
@@ -56,7 +56,7 @@ def simulate_generation(workload, lengths=None, early_exit=True):
     bound = attend_pages(sched.held_pages, k, cfg)
     index = sched.decode_index()
     rows = sched.num_slots if index is None else index.shape[1]
-    until = rows // 2 if early_exit else 0
+    until = narrower_width(rows) if early_exit else 0
     occupied = np.fromiter(sched.slot_owner, np.int64, len(sched.slot_owner))
     left = np.maximum(target[occupied] - sched.generated[occupied], 0)
     # The loop runs while more than `until` slots are live: until the
