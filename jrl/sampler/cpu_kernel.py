@@ -113,10 +113,11 @@ def unavailable_reason():
   return _failure
 
 
-def supports(q_dtype, kv_dtype, window=None):
-  """The kernel takes float32 queries and pages, and no sliding window."""
+def supports(q_dtype, kv_dtype):
+  """The kernel takes float32 queries and pages (sliding-window layers take
+  the gather path in `paged_attention` whatever the implementation)."""
   f32 = jnp.dtype(jnp.float32)
-  return window is None and jnp.dtype(q_dtype) == f32 and jnp.dtype(kv_dtype) == f32
+  return jnp.dtype(q_dtype) == f32 and jnp.dtype(kv_dtype) == f32
 
 
 def paged_attention_cpu(
