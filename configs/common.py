@@ -94,7 +94,8 @@ def model_section():
   s.compute_dtype = 'float32'  # 'bfloat16' for bf16 matmuls
   # Training memory (model.path checkpoints too; never written to an export's config.json).
   # Per-layer activation checkpointing, what the backward pass keeps of a block:
-  #   'auto'           chosen with the micro-batches by train.memory_plan (else 'none')
+  #   'auto'           chosen with the micro-batches by train.memory_plan (else 'none';
+  #                    on the CPU the plan recomputes unless the update is small)
   #   'none'           everything (no recomputation)
   #   'full'           only the block's input; the whole block is recomputed
   #   'dots'           every matmul output but the float32 attention scores

@@ -13,17 +13,29 @@ sampler's pages are allocated): the accelerator's `bytes_limit` less its
 `bytes_in_use`, on the CPU the host's available memory over its local
 devices.
 
-Candidates, fastest first (`candidates`):
+Candidates, fastest first (`candidates`), on accelerators:
 
     remat 'none',  the whole minibatch, then halved micro-batches down to
                    MIN_SHARE of it (smaller ones fill the matmuls too little
                    to beat recomputation);
     remat 'full',  the whole minibatch, halved down to one row.
 
+On the CPU remat 'full' alone: XLA:CPU runs an update that recomputes each
+block's activations as fast as one that stores them once these no longer
+fit in the caches, and faster when they are large, because every stored
+activation is written to and read back from memory, and the host's memory
+is also the sampler's and the reward workers' (SmolLM2-135M, 8 prompts x
+8 completions of 128 tokens in shared-prompt rows, `launch/bench_layouts.py`
+shapes: 40.1 s and 2.6 GiB with 'full' over the whole minibatch, 45.0 s and
+10.9 GiB without remat in two micro-batches, the fastest that fits without;
+a 20M model: 5.6 s and 1.1 GiB against 5.4 s and 4.0 GiB).
+
 The first that fits is taken; the measurements stop there (one compile when
 the whole minibatch fits, none when `upper_bound` of the fastest is at most
 half the limit: a small model, where the compile would cost more than any
-choice saves). A field the config sets is kept: an explicit
+choice saves, and which runs without remat; on the CPU that also needs the
+bound to be at most CPU_SMALL_BYTES, where the activations stay close to
+the cores). A field the config sets is kept: an explicit
 `model.remat` is the only remat tried, an explicit `train.micro_batch_tokens`
 the only budget. When nothing fits, the smallest candidate is taken and the
 log says so. The compiled probes are not reused: jit compiles the step again
@@ -48,6 +60,8 @@ from jrl.trainers import common
 MIN_SHARE = 1 / 8
 # Of a device's free memory, what the plan may use (allocator slack, fragmentation).
 FREE_SHARE = 0.9
+# On the CPU, the bound under which an update runs without remat uncompiled.
+CPU_SMALL_BYTES = 2 * 2**30
 GIB = 2**30
 
 
@@ -89,16 +103,25 @@ def free_bytes(device):
   return available // max(1, len(jax.local_devices(backend=device.platform)))
 
 
-def candidates(remat, budget, whole, row):
+def remat_order(remat, platform):
+  """The remat policies tried for `model.remat`, fastest first on `platform`
+  ('auto': 'none' then 'full', on the CPU 'full' alone)."""
+  if remat != 'auto':
+    return (remat,)
+  return ('full',) if platform == 'cpu' else ('none', 'full')
+
+
+def candidates(remat, budget, whole, row, platform='gpu'):
   """(remat, budget) pairs in the order tried: see the module docstring.
 
   Args:
-    remat: `model.remat` ('auto': 'none', then 'full').
+    remat: `model.remat` ('auto': by `remat_order`).
     budget: `train.micro_batch_tokens` (0: chosen here).
     whole: tokens of the whole minibatch per batch shard, in rows of `row`.
     row: tokens of one row of the layout (the smallest micro-batch).
+    platform: the devices' platform ('cpu', 'gpu', 'tpu').
   """
-  remats = ('none', 'full') if remat == 'auto' else (remat,)
+  remats = remat_order(remat, platform)
   if budget:
     return [(r, int(budget)) for r in remats]
   out = []
@@ -203,7 +226,7 @@ def plan(config, device, whole, row, measure, bound, path=''):
   that a resumed run computes what the uninterrupted one would have; the
   choice is written there otherwise."""
   train, remat = config.train, config.model.remat
-  options = candidates(remat, train.micro_batch_tokens, whole, row)
+  options = candidates(remat, train.micro_batch_tokens, whole, row, device.platform)
   if train.memory_plan != 'auto':
     return fixed(remat, train.micro_batch_tokens)
   key = [list(o) for o in options]
@@ -214,8 +237,10 @@ def plan(config, device, whole, row, measure, bound, path=''):
       kept = Plan(**{**saved['plan'], 'measured': tuple(map(tuple, saved['plan']['measured']))})
       return kept._replace(reason=f'as the run chose at its start ({path}): {kept.reason}')
   limit = limit_bytes(train, device)
-  if 2 * bound <= limit:
+  small = 2 * bound <= limit and (device.platform != 'cpu' or bound <= CPU_SMALL_BYTES)
+  if small:
     first, budget = options[0]
+    first = 'none' if remat == 'auto' else first
     reason = f'fits by an upper bound ({size(bound)}, at most half of {size(limit)}): not compiled'
     chosen = Plan(first, budget, 0, limit, reason)
   else:

@@ -38,6 +38,13 @@ def test_candidates_try_no_remat_down_to_an_eighth_then_full_down_to_a_row():
   ]
   assert memory_plan.candidates('auto', 300, whole=400, row=100) == [('none', 300), ('full', 300)]
   assert memory_plan.candidates('full', 300, whole=400, row=100) == [('full', 300)]
+  # On the CPU 'auto' recomputes (measured faster there once activations are large).
+  assert memory_plan.candidates('auto', 0, whole=400, row=100, platform='cpu') == [
+    ('full', 0),
+    ('full', 200),
+    ('full', 100),
+  ]
+  assert memory_plan.candidates('none', 0, whole=400, row=100, platform='cpu')[0] == ('none', 0)
 
 
 def test_choose_takes_the_first_that_fits_else_the_smallest():
@@ -96,20 +103,22 @@ def _job(tmp_path, name, **fields):
 
 
 def test_a_short_limit_gives_micro_batches_then_remat_as_measured(tmp_path):
-  # Nothing fits: every candidate is compiled and measured.
+  # Nothing fits: every candidate is compiled and measured; on the CPU
+  # 'auto' tries remat 'full' only.
   _, job = _job(tmp_path, 'all', **{'train.memory_limit_gib': 1e-9})
   controller.close(job)
   measured = {(r, b): n for r, b, n in job.memory_plan.measured}
   assert 'nothing fits' in job.memory_plan.reason
-  whole = measured['none', 0]
-  assert measured['none', job.resources.seq_len] < whole  # one row per micro-batch: less memory
-  # A limit just under the whole minibatch without remat: the first
-  # candidate that the measurements say fits.
+  assert {r for r, _ in measured} == {'full'}
+  whole = measured['full', 0]
+  assert measured['full', job.resources.seq_len] < whole  # one row per micro-batch: less memory
+  # A limit just under the whole minibatch: the first candidate that the
+  # measurements say fits.
   limit = whole - 1
   config, job = _job(tmp_path, 'short', **{'train.memory_limit_gib': limit / 2**30})
   plan = job.memory_plan
   first_fit = next((r, b) for r, b, n in job.memory_plan.measured if n <= plan.limit)
-  assert (plan.remat, plan.budget) == first_fit == ('none', job.resources.seq_len)
+  assert (plan.remat, plan.budget) == first_fit == ('full', job.resources.seq_len)
   assert plan.need <= plan.limit <= limit
   assert plan.budget == 0 or plan.budget < config.rl.minibatch_size * job.resources.seq_len
   _, steps = job.steps
