@@ -10,7 +10,9 @@ model size. Each layout runs `policy_step.loss_and_grads` over its parts
 position), then padded rows cut to the batch and logits at the completion
 window (`jrl.data.layouts`), the same in micro-batches of `--micro_tokens`,
 and shared-prompt rows. Prints seconds (median of `--repeats`), the ratio to
-'full' and the largest loss difference; `--out FILE` writes them as JSON.
+the first layout, the largest loss difference and the XLA temporaries of
+one part's compiled program (`--remat`: the model's remat policy);
+`--out FILE` writes them as JSON.
 """
 
 import argparse
@@ -111,6 +113,8 @@ def main(argv=None):
       out = [step(state, batch._replace(packed=p)) for p in parts]
       return sum(float(loss) for loss, _ in out)
 
+    probe = batch if parts[0] is None else batch._replace(packed=parts[0])
+    temp = step.lower(state, probe).compile().memory_analysis().temp_size_in_bytes
     start = time.perf_counter()
     loss = run()
     first = time.perf_counter() - start
@@ -129,10 +133,12 @@ def main(argv=None):
       tokens_run=run_tokens,
       ratio_to_first=sec / reference[1],
       loss_diff=abs(loss - reference[2]),
+      temp_bytes_per_part=int(temp),
     )
     print(
       f'  {name:20s} {sec:8.2f} s  x{sec / reference[1]:.2f} of {reference[0]}  '
-      f'{len(parts)} part(s), {run_tokens} tokens run  (first call {first:.1f} s, '
+      f'{len(parts)} part(s), {run_tokens} tokens run, {temp / 2**30:.2f} GiB of XLA '
+      f'temporaries per part  (first call {first:.1f} s, '
       f'|loss diff| {abs(loss - reference[2]):.2e})',
       flush=True,
     )

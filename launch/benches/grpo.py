@@ -109,8 +109,17 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   if 'throughput/real_token_frac_packed' in steady[0]:
     real = med('throughput/update_tokens_per_s') * med('time/update')
     run = real / med('throughput/real_token_frac_packed')
-  update_flops = 3 * common.forward_flops_per_token(mc.replace(lora=None), seq_len) * run
+  forward = common.forward_flops_per_token(mc.replace(lora=None), seq_len)
+  update_flops = 3 * forward * run
   gen_tokens = statistics.median(r['response_length/mean'] * rows for r in steady)
+  # MFU per phase, model FLOPs only (a remat's recomputation is not counted):
+  # generation one forward per new token (prefill not counted), the
+  # reference pass one forward per token of the update's rows (it runs the
+  # same layout).
+  mfu = {'generate': forward * gen_tokens / med('time/generate') / peak}
+  if rl.kl_coef > 0:
+    mfu['reference'] = forward * run / rl.epochs / med('time/reference') / peak
+  mfu['update'] = update_flops / med('time/update') / peak
   for stage in ('generate', 'reward', 'reference', 'update', 'step'):
     print(f'{p}{stage:10s} {med("time/" + stage):8.3f} s')
   print(
@@ -120,11 +129,15 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
     + " s (new shapes: the update's row-length buckets, the gather path's page bounds;"
     + ' included in the medians)'
   )
-  print(f'{p}generate:  {gen_tokens / med("time/generate"):9.0f} tokens/s')
+  print(
+    f'{p}generate:  {gen_tokens / med("time/generate"):9.0f} tokens/s, MFU '
+    f'{100 * mfu["generate"]:.1f}% (new tokens)'
+  )
   if rl.kl_coef > 0:
     print(
       f'{p}reference: {med("throughput/reference_tokens_per_s"):9.0f} tokens/s '
-      f'({rows * seq_len / med("time/reference"):.0f} padded tokens/s)'
+      f'({rows * seq_len / med("time/reference"):.0f} padded tokens/s), MFU '
+      f'{100 * mfu["reference"]:.1f}%'
     )
   note = ''
   if mc.lora is not None:
@@ -132,7 +145,7 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   print(
     f'{p}update:    {med("throughput/update_tokens_per_s"):9.0f} tokens/s '
     f'({run / med("time/update"):.0f} tokens run/s), MFU '
-    f'{100 * update_flops / med("time/update") / peak:.1f}% of a {peak / 1e9:.0f} GFLOP/s '
+    f'{100 * mfu["update"]:.1f}% of a {peak / 1e9:.0f} GFLOP/s '
     f'float32 matmul peak{note}'
   )
   print(f'{p}trainable: {n_train / 1e6:.3f}M params')
@@ -146,7 +159,8 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
     'compiling_s': compiling,
     'generate_tokens_per_s': gen_tokens / med('time/generate'),
     'update_tokens_per_s': med('throughput/update_tokens_per_s'),
-    'update_mfu': update_flops / med('time/update') / peak,
+    'update_mfu': mfu['update'],
+    'mfu': mfu,
     'matmul_peak_flops': peak,
     'memory_plan': plan._asdict(),
     'peak_rss_bytes': rss,

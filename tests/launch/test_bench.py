@@ -100,6 +100,8 @@ def test_real_setup_prints_one_block_per_combination(tiny_smollm2, tmp_path, cap
       assert _numbers(body[name])[0] > 0
     mfu = re.search(r'MFU ([0-9.]+)% of a ([0-9.]+) GFLOP/s', body['update:'])
     assert mfu and 0 < float(mfu.group(1)) and float(mfu.group(2)) > 0
+    for name in ('generate:', 'reference:'):  # MFU per phase
+      assert 0 < float(re.search(r'MFU ([0-9.]+)%', body[name]).group(1)) < 100
     assert ('LoRA: no base-weight gradients' in body['update:']) == ('lora=4' in lines[0])
     # remat set by the flag: only the budget is planned (a tiny model: by the bound).
     assert re.search(r'memory plan of the update: remat=full micro_batch_tokens=0', out)

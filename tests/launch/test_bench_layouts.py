@@ -19,5 +19,9 @@ def test_every_layout_runs_and_gives_the_same_loss(tmp_path):
   for r in results.values():
     assert r['loss_diff'] < 1e-5 and r['seconds'] > 0
   assert results['padded_micro']['parts'] > 1
+  # Micro-batches: each part's program needs less than the whole batch's.
+  assert (
+    0 < results['padded_micro']['temp_bytes_per_part'] < results['padded']['temp_bytes_per_part']
+  )
   # The prompt once per group: fewer tokens than padded rows.
   assert results['shared_prompt']['tokens_run'] < results['padded']['tokens_run']

@@ -179,3 +179,45 @@ def test_bad_fields_are_named(tmp_path, field, value, message):
   config = shrunk_config(tmp_path, {**QUIET, field: value})
   with pytest.raises(ValueError, match=message):
     trainers.build(config)
+
+
+class _Device:
+  def __init__(self, platform, limit):
+    self.platform, self.limit = platform, limit
+
+  def memory_stats(self):
+    return {'bytes_limit': self.limit, 'bytes_in_use': 0}
+
+
+def test_the_plan_by_platform_with_measured_candidates():
+  from types import SimpleNamespace as NS
+
+  config = NS(
+    train=NS(memory_plan='auto', memory_limit_gib=0.0, micro_batch_tokens=0), model=NS(remat='auto')
+  )
+  gib = 2**30
+  # Stored activations cost 4x what recomputed ones do; a micro-batch of
+  # half the rows half as much.
+  need = lambda remat, budget: (4 if remat == 'none' else 1) * (budget or 800) * gib // 100
+  calls = []
+
+  def measure(remat, budget):
+    calls.append((remat, budget))
+    return need(remat, budget)
+
+  limit = int(20 * gib / memory_plan.FREE_SHARE)  # 90% of it: 20 GiB
+  # An accelerator: no remat while a micro-batch of an eighth or more fits.
+  got = memory_plan.plan(config, _Device('gpu', limit), 800, 100, measure, bound=30 * gib)
+  assert (got.remat, got.budget) == ('none', 400) and calls == [('none', 0), ('none', 400)]
+  # The CPU: remat 'full' first, so the whole minibatch.
+  calls.clear()
+  got = memory_plan.plan(config, _Device('cpu', limit), 800, 100, measure, bound=30 * gib)
+  assert (got.remat, got.budget) == ('full', 0) and calls == [('full', 0)]
+  # A small update is not compiled and runs without remat: on the CPU only
+  # under CPU_SMALL_BYTES.
+  calls.clear()
+  for platform in ('gpu', 'cpu'):
+    got = memory_plan.plan(config, _Device(platform, limit), 800, 100, measure, bound=gib)
+    assert (got.remat, got.budget, got.need) == ('none', 0, 0) and 'not compiled' in got.reason
+  got = memory_plan.plan(config, _Device('cpu', limit), 800, 100, measure, bound=4 * gib)
+  assert (got.remat, got.budget) == ('full', 0) and calls == [('full', 0)]
