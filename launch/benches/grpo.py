@@ -131,13 +131,13 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   )
   print(
     f'{p}generate:  {gen_tokens / med("time/generate"):9.0f} tokens/s, MFU '
-    f'{100 * mfu["generate"]:.1f}% (new tokens)'
+    f'{100 * mfu["generate"]:.3g}% (new tokens)'
   )
   if rl.kl_coef > 0:
     print(
       f'{p}reference: {med("throughput/reference_tokens_per_s"):9.0f} tokens/s '
       f'({rows * seq_len / med("time/reference"):.0f} padded tokens/s), MFU '
-      f'{100 * mfu["reference"]:.1f}%'
+      f'{100 * mfu["reference"]:.3g}%'
     )
   note = ''
   if mc.lora is not None:
