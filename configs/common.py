@@ -266,6 +266,11 @@ def rl_section():
   s.group_size = 8  # G samples per prompt
   s.epochs = 1  # passes over each rollout batch
   s.minibatch_size = 128  # rows per optimiser step; divides B x G
+  # 'row': minibatches of rows drawn at random; 'group': of whole groups (each
+  # group's G completions in one minibatch); 'auto': 'group' with
+  # train.shared_prompt (its prompt computed once) when minibatch_size is a
+  # multiple of group_size, else 'row'
+  s.minibatch_by = 'auto'
   s.advantage = 'grpo'  # grpo | dr_grpo | rloo | loo | reinforce_pp | reinforce_pp_baseline
   # rl.adv.<estimator>.<argument>: the estimators' keyword arguments under their own
   # names, seeded with their defaults (`jrl.losses.default_args`), e.g. rl.adv.grpo.scale

@@ -66,6 +66,12 @@ def check_rl(config, batch_shards):
   )
   checks.batch_divides(rl.minibatch_size, 'rl.minibatch_size', batch_shards)
   need(
+    rl.minibatch_by != 'group' or rl.minibatch_size % rl.group_size == 0,
+    'rl.minibatch_by',
+    f"'group' needs rl.minibatch_size ({rl.minibatch_size}) to be a multiple of "
+    f'rl.group_size ({rl.group_size}).',
+  )
+  need(
     0 <= rl.overlong_buffer < config.task.max_response_len,
     'rl.overlong_buffer',
     'must be in [0, task.max_response_len).',
@@ -107,6 +113,7 @@ CHOICES = {
   'rl.adv.grpo.std': ('unbiased', 'biased'),
   'rl.adv.grpo.singleton': ('zero', 'raw', 'error'),
   'rl.adv.loo.normalize': (True, False),
+  'rl.minibatch_by': ('auto', 'row', 'group'),
 }
 # The `rl` section: the online algorithms' iterations, rollout batch and policy loss.
 RL = checks.Section(
@@ -251,12 +258,23 @@ def _take_rows(sharding):
   return jax.jit(lambda full, idx: jax.tree.map(lambda x: x[idx], full), out_shardings=sharding)
 
 
+def whole_groups(config):
+  """Whether minibatches are drawn as whole groups (`rl.minibatch_by`):
+  'group', or 'auto' with `train.shared_prompt` on (where a group in one
+  minibatch has its prompt computed once) and `rl.minibatch_size` a multiple
+  of `rl.group_size`; else ('row', 'auto' otherwise) as single rows."""
+  rl = config.rl
+  by = rl.get('minibatch_by', 'auto')
+  if by == 'auto':
+    shared = config.train.get('shared_prompt', False)
+    return bool(shared) and rl.minibatch_size % rl.group_size == 0
+  return by == 'group'
+
+
 def run_minibatches(step, state, full, config, iteration, sharding, packer=None):
   """`rl.epochs` passes of `step` over minibatches of `full` (a pytree of
-  [B·G, ...] arrays), in permutations fixed by (seed, iteration): of whole
-  groups when `rl.minibatch_size` is a multiple of `rl.group_size` (a
-  group's completions stay in one minibatch, where the shared-prompt
-  layout computes their prompt once), else of rows.
+  [B·G, ...] arrays), in permutations fixed by (seed, iteration): of rows,
+  or of whole groups (`whole_groups`).
 
   With a `packer` (common.make_packer) each minibatch's sequences are packed
   into rows (`full.packed` set per minibatch): the same minibatches in the
@@ -269,6 +287,7 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   start = time.perf_counter()
   rows = rl.prompts_per_step * rl.group_size
   mb = rl.minibatch_size
+  by_group = whole_groups(config)
   results = []
   efficiency = []
   if packer is not None:
@@ -276,7 +295,7 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   for epoch in range(rl.epochs):
     rng = np.random.default_rng(setup.seed(config.seed, iteration, 'perm', epoch))
     g = rl.group_size
-    if mb % g == 0:
+    if by_group:
       perm = (rng.permutation(rows // g)[:, None] * g + np.arange(g)).reshape(-1)
     else:
       perm = rng.permutation(rows)

@@ -237,12 +237,22 @@ def test_min_new_tokens_above_the_response_limit_is_named(tmp_path):
     trainers.validate(config, 1)
 
 
-@pytest.mark.parametrize('minibatch, whole_groups', [(8, True), (6, False)])
-def test_minibatches_hold_whole_groups_when_they_can(tmp_path, minibatch, whole_groups):
+@pytest.mark.parametrize(
+  'by, shared, minibatch, whole_groups',
+  [
+    ('auto', True, 8, True),  # the shared-prompt layout computes each prompt once
+    ('auto', True, 6, False),  # groups of 4 do not fill minibatches of 6
+    ('auto', False, 8, False),  # rows drawn at random, as veRL and TRL draw them
+    ('group', False, 8, True),
+    ('row', True, 8, False),
+  ],
+)
+def test_minibatches_of_rows_or_whole_groups(tmp_path, by, shared, minibatch, whole_groups):
   from jrl.trainers import online
   from tests.helpers import shrunk_config
 
   fields = {'rl.prompts_per_step': 6, 'rl.group_size': 4, 'rl.minibatch_size': minibatch}
+  fields |= {'rl.minibatch_by': by, 'train.shared_prompt': shared}
   config = shrunk_config(tmp_path, {**fields, 'rl.epochs': 2})
   rows = 24
   full = (jnp.arange(rows)[:, None] * jnp.ones((1, 3), jnp.int32),)
@@ -259,3 +269,15 @@ def test_minibatches_hold_whole_groups_when_they_can(tmp_path, minibatch, whole_
     assert sorted(np.concatenate(epoch).tolist()) == list(range(rows))  # every row once
   groups = [set((mini // 4).tolist()) for mini in seen]
   assert all(len(g) == minibatch // 4 for g in groups) == whole_groups
+
+
+def test_whole_groups_need_a_multiple_of_the_group(tmp_path):
+  from tests.helpers import shrunk_config
+
+  fields = {'rl.prompts_per_step': 6, 'rl.group_size': 4, 'rl.minibatch_size': 6}
+  config = shrunk_config(tmp_path, {**fields, 'rl.minibatch_by': 'group'})
+  with pytest.raises(ValueError, match=r"^`rl\.minibatch_by`: 'group' needs rl\.minibatch_size \(6\)"):
+    trainers.validate(config, 1)
+  config = shrunk_config(tmp_path, {**fields, 'rl.minibatch_by': 'rows'})
+  with pytest.raises(ValueError, match=r'^`rl\.minibatch_by`: must be one of'):
+    trainers.validate(config, 1)
