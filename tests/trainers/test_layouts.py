@@ -272,11 +272,13 @@ def test_minibatches_of_rows_or_whole_groups(tmp_path, by, shared, minibatch, wh
 
 
 def test_whole_groups_need_a_multiple_of_the_group(tmp_path):
+  from jrl import trainers
   from tests.helpers import shrunk_config
 
   fields = {'rl.prompts_per_step': 6, 'rl.group_size': 4, 'rl.minibatch_size': 6}
   config = shrunk_config(tmp_path, {**fields, 'rl.minibatch_by': 'group'})
-  with pytest.raises(ValueError, match=r"^`rl\.minibatch_by`: 'group' needs rl\.minibatch_size \(6\)"):
+  needs = r"^`rl\.minibatch_by`: 'group' needs rl\.minibatch_size \(6\)"
+  with pytest.raises(ValueError, match=needs):
     trainers.validate(config, 1)
   config = shrunk_config(tmp_path, {**fields, 'rl.minibatch_by': 'rows'})
   with pytest.raises(ValueError, match=r'^`rl\.minibatch_by`: must be one of'):
