@@ -46,6 +46,7 @@ TINY = [
   'rl.group_size=4',
   'rl.minibatch_size=8',
   'task.max_response_len=4',
+  'rl.overlong_buffer=0',
   'sampler.num_slots=8',
   'reward.mode=inline',
 ]

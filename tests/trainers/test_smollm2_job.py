@@ -34,6 +34,7 @@ def run(tmp_path_factory):
       'task.system_prompt': 'Answer with a number.',
       'task.max_prompt_len': 200,  # characters here: the longest questions are filtered
       'task.max_response_len': 12,
+      'rl.overlong_buffer': 4,
       'rl.steps': 2,
       'rl.prompts_per_step': 2,
       'rl.group_size': 4,

@@ -27,6 +27,7 @@ SHRINK = {
   'task.system_prompt': 'Answer with a number.',
   'task.max_prompt_len': 200,  # characters here: the longest questions are filtered
   'task.max_response_len': 8,
+  'rl.overlong_buffer': 0,
   'task.eval_size': 4,
   'sampler.num_slots': 4,
   'sampler.steps_per_dispatch': 8,
