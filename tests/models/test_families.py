@@ -42,6 +42,7 @@ from jrl.models.config import LinearRopeScaling
 from jrl.sampler import EngineConfig, Request, Sampler
 from jrl.sampler import attention as paged
 from jrl.trainers import common, policy_step
+from tests.sampler import margins
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -478,7 +479,9 @@ def test_window_pages_are_not_gathered():
 
 
 def _greedy_recompute(graphdef, params, prompt, steps, vocab):
-  """Argmax of a full forward of prompt + tokens so far, `steps` times."""
+  """Argmax of a full forward of prompt + tokens so far, `steps` times, up
+  to the first near-tie (top-2 gap under margins.DELTA) that float rounding
+  could flip between the sampler's program and this one."""
   width = MAX_PROMPT + MAX_NEW
   rows = list(prompt)
   fn = _LOGITS
@@ -488,6 +491,9 @@ def _greedy_recompute(graphdef, params, prompt, steps, vocab):
     tokens[0, : len(rows)] = rows
     mask[0, : len(rows)] = 1
     logits = np.asarray(fn(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    top2 = np.sort(logits[0, len(rows) - 1])[-2:]
+    if top2[1] - top2[0] < margins.DELTA:
+      break
     rows.append(int(np.argmax(logits[0, len(rows) - 1])))
   return rows[len(prompt) :]
 
@@ -513,7 +519,10 @@ def test_greedy_sampler_equals_full_forward_argmax(loaded, name):
   groups = sampler.generate(ckpt.params, requests)
   for r, (c,) in zip(requests, groups, strict=True):
     want = _greedy_recompute(ckpt.graphdef, ckpt.params, r.prompt, MAX_NEW, cfg.vocab_size)
-    np.testing.assert_array_equal(c.tokens, want, err_msg=f'{name} prompt {len(r.prompt)}')
+    assert len(want) >= MAX_NEW // 2, f'{name}: a near-tie at token {len(want)}'
+    np.testing.assert_array_equal(
+      c.tokens[: len(want)], want, err_msg=f'{name} prompt {len(r.prompt)}'
+    )
   # Longest sequence 15 > W: the sliding layers really skipped pages.
   assert MAX_PROMPT + MAX_NEW - 1 > (cfg.sliding_window or 0) + PAGE
 

@@ -16,6 +16,7 @@ import pytest
 
 import jrl.models as M
 from jrl.sampler import EngineConfig, Request, Sampler
+from tests.sampler import margins
 
 CFG = M.ModelConfig(
   vocab_size=64,
@@ -64,11 +65,8 @@ def test_continuing_on_cached_pages_equals_recomputing_the_prefix(p):
     calls.append(list(tokens))
     return ENV if len(calls) == 1 else 'done'
 
-  (c,) = SAMPLER.generate(
-    PARAMS,
-    [Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, stop_tokens=(stop,))],
-    on_turn_end=on_turn_end,
-  )[0]
+  request = Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, stop_tokens=(stop,))
+  (c,) = SAMPLER.generate(PARAMS, [request], on_turn_end=on_turn_end)[0]
   first = calls[0]
   assert first[-1] == stop
   n1 = len(first)
@@ -82,8 +80,12 @@ def test_continuing_on_cached_pages_equals_recomputing_the_prefix(p):
   # Recompute: prefill prompt + first turn + environment tokens as one prompt.
   second = c.tokens[n1 + len(ENV) :]
   redo = greedy(prompt + first + ENV, stop=(stop,), max_new=len(second))
-  np.testing.assert_array_equal(second, redo.tokens)
-  np.testing.assert_allclose(c.logprobs[n1 + len(ENV) :], redo.logprobs, atol=1e-5)
+  # Two programs: the same tokens up to a near-tie rounding could flip (margins.py).
+  (((upto,),)) = margins.fragile_points(GRAPHDEF, PARAMS, [request], [[c]])
+  k = max(upto - n1 - len(ENV), 0)
+  assert k >= 0.75 * len(second)
+  np.testing.assert_array_equal(second[:k], redo.tokens[:k])
+  np.testing.assert_allclose(c.logprobs[n1 + len(ENV) :][:k], redo.logprobs[:k], atol=1e-5)
   if len(calls) > 1:  # the second turn also stopped and the episode ended
     assert c.finish_reason == 'done'
 
@@ -151,13 +153,20 @@ def _answer(i, g, tokens):
   return ENV[: 1 + n] if len(tokens) < MAX_NEW - 8 else 'done'
 
 
-def _same(got, want):
-  for gg, wg in zip(got, want, strict=True):
-    for a, b in zip(gg, wg, strict=True):
-      np.testing.assert_array_equal(a.tokens, b.tokens)
-      np.testing.assert_array_equal(a.env_mask, b.env_mask)
-      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
-      assert a.finish_reason == b.finish_reason
+def _same(got, want, requests):
+  """Same samples, each up to its first draw that rounding could flip (the
+  batches differ while samples are parked: tests/sampler/margins.py)."""
+  upto = margins.fragile_points(GRAPHDEF, PARAMS, requests, want)
+  total = sum(len(b.tokens) for wg in want for b in wg)
+  assert sum(map(sum, upto)) >= 0.75 * total
+  for gg, wg, ng in zip(got, want, upto, strict=True):
+    for a, b, n in zip(gg, wg, ng, strict=True):
+      np.testing.assert_array_equal(a.tokens[:n], b.tokens[:n])
+      np.testing.assert_array_equal(a.env_mask[:n], b.env_mask[:n])
+      np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=1e-6)
+      if n == len(b.tokens):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        assert a.finish_reason == b.finish_reason
 
 
 def test_parked_samples_sample_what_inline_answers_sample():
@@ -194,7 +203,7 @@ def test_parked_samples_sample_what_inline_answers_sample():
 
   got = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=later)
   pool.shutdown()
-  _same(got, want)
+  _same(got, want, requests)
   stats = SAMPLER.stats
   assert stats.env_turns == inline_turns > 0
   assert stats.env_parked_peak >= 2  # several samples waited at once

@@ -15,6 +15,7 @@ import pytest
 
 import jrl.models as M
 from jrl.sampler import EngineConfig, Request, Sampler
+from tests.sampler import margins
 from tests.sampler.test_multiturn import CFG, GRAPHDEF, PARAMS
 
 PARAMS_A = PARAMS  # version 0
@@ -112,11 +113,16 @@ def test_tokens_before_the_swap_are_the_unswapped_runs_and_the_same_weights_chan
     for c, p in zip(swapped, plain, strict=True):
       n = int(np.sum(c.versions == 0))
       np.testing.assert_array_equal(c.tokens[:n], p.tokens[:n])
-  # Version 1 = version 0's weights, recomputed: the same tokens and logprobs.
+  # Version 1 = version 0's weights, recomputed: the same tokens and logprobs,
+  # up to a draw that rounding could flip (the recomputed cache comes from
+  # another program: tests/sampler/margins.py).
   same = _flat(_generate(_sampler(), PARAMS_A, 'recompute'))
-  for c, p in zip(same, plain, strict=True):
-    np.testing.assert_array_equal(c.tokens, p.tokens)
-    np.testing.assert_allclose(c.logprobs, p.logprobs, atol=1e-5)
+  groups = _sampler().generate(PARAMS_A, REQUESTS, group_size=2)
+  upto = [n for row in margins.fragile_points(GRAPHDEF, PARAMS_A, REQUESTS, groups) for n in row]
+  assert sum(upto) >= 0.75 * sum(len(p.tokens) for p in plain)
+  for c, p, n in zip(same, plain, upto, strict=True):
+    np.testing.assert_array_equal(c.tokens[:n], p.tokens[:n])
+    np.testing.assert_allclose(c.logprobs[:n], p.logprobs[:n], atol=1e-5)
   assert plain[0].versions is None  # without weights_at nothing is tracked
 
 

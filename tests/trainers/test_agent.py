@@ -21,6 +21,7 @@ from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
 from jrl.trainers import controller, episodes, ppo
 from tests.helpers import capture, set_fields
+from tests.sampler import margins
 
 SHRINK = {
   'model.width': 32,
@@ -165,21 +166,30 @@ def test_pooled_environments_give_the_trajectories_of_inline_stepping(agent_run,
 
   def episodes_with(parking):
     monkeypatch.setattr(worker, 'parking', parking)
-    _, results = worker.run_episodes(
+    requests, results = worker.run_episodes(
       state.params, examples, group_size=4, greedy=False, iteration=9, version=9
     )
-    return [pair for row in results for pair in row], worker.engine.stats
+    return requests, results, worker.engine.stats
 
-  inline, inline_stats = episodes_with(False)
-  pooled, pooled_stats = episodes_with(True)
+  requests, inline, inline_stats = episodes_with(False)
+  _, pooled, pooled_stats = episodes_with(True)
   assert inline_stats.env_turns == pooled_stats.env_turns > 0
   assert inline_stats.env_parked_peak == 0 and pooled_stats.env_parked_peak >= 1
-  for (a, ea), (b, eb) in zip(pooled, inline, strict=True):
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.env_mask, b.env_mask)
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
-    assert (a.finish_reason, ea.reason, ea.turns) == (b.finish_reason, eb.reason, eb.turns)
-    assert (ea.reward, dict(ea.info)) == (eb.reward, dict(eb.info))
+  # Parked samples decode in other batches: the same trajectories up to a
+  # draw that rounding could flip (tests/sampler/margins.py).
+  groups = [[c for c, _ in row] for row in inline]
+  upto = margins.fragile_points(worker.engine.graphdef, state.params, requests, groups)
+  assert sum(map(sum, upto)) >= 0.75 * sum(len(c.tokens) for row in groups for c in row)
+  for p_row, i_row, n_row in zip(pooled, inline, upto, strict=True):
+    for (a, ea), (b, eb), n in zip(p_row, i_row, n_row, strict=True):
+      np.testing.assert_array_equal(a.tokens[:n], b.tokens[:n])
+      np.testing.assert_array_equal(a.env_mask[:n], b.env_mask[:n])
+      np.testing.assert_allclose(a.logprobs[:n], b.logprobs[:n], atol=1e-6)
+      if n < len(b.tokens):
+        continue
+      np.testing.assert_array_equal(a.tokens, b.tokens)
+      assert (a.finish_reason, ea.reason, ea.turns) == (b.finish_reason, eb.reason, eb.turns)
+      assert (ea.reward, dict(ea.info)) == (eb.reward, dict(eb.info))
 
 
 class Flaky:

@@ -27,6 +27,7 @@ from jrl import models as M
 from jrl.sampler import EngineConfig, Request, Sampler
 from jrl.trainers import controller, engines
 from tests.helpers import QUIET, records, shrunk_config
+from tests.sampler import margins
 
 CFG = M.ModelConfig(
   vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -88,10 +89,14 @@ def test_gathered_weights_cut_the_collectives_of_a_decode_step_and_sample_the_sa
   ]
   want = sampler.generate(params, requests, group_size=2)
   got = sampler.generate(gathered, requests, group_size=2)
-  for w_row, g_row in zip(want, got, strict=True):
-    for w, g in zip(w_row, g_row, strict=True):
-      np.testing.assert_array_equal(g.tokens, w.tokens)
-      np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6, rtol=0)
+  # Two layouts, two programs: the same tokens up to a draw rounding could
+  # flip (tests/sampler/margins.py).
+  upto = margins.fragile_points(graphdef, params, requests, want)
+  assert sum(map(sum, upto)) >= 0.75 * sum(len(w.tokens) for row in want for w in row)
+  for w_row, g_row, n_row in zip(want, got, upto, strict=True):
+    for w, g, n in zip(w_row, g_row, n_row, strict=True):
+      np.testing.assert_array_equal(g.tokens[:n], w.tokens[:n])
+      np.testing.assert_allclose(g.logprobs[:n], w.logprobs[:n], atol=1e-6, rtol=0)
 
 
 def test_the_topology_copies_only_where_it_helps_and_fits():
