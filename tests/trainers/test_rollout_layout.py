@@ -118,7 +118,7 @@ def test_a_colocated_run_samples_from_the_copy_with_the_same_figures(tmp_path):
   """One GRPO iteration on a 2 data x 4 fsdp mesh: the rollout reads a
   gathered copy (made in a 'reshard' span), and logs what the run reading
   the trainer's own arrays logs."""
-  logged = {}
+  logged, sampled = {}, {}
   for mode in ('sharded', 'gathered'):
     overrides = {**QUIET, 'workdir': str(tmp_path / mode), 'mesh.data': 2, 'mesh.fsdp': 4}
     overrides.update({'sft.steps': 0, 'rl.steps': 1, 'reward.mode': 'inline'})
@@ -133,7 +133,16 @@ def test_a_colocated_run_samples_from_the_copy_with_the_same_figures(tmp_path):
       return original(params, iteration)
 
     job.topology.worker.sample = sample
+    generated = []
+
+    def generate(*args, original=job.topology.worker._generate, generated=generated):
+      out = original(*args)
+      generated.append((jax.device_get(args[2]), *out))  # the params, before donation
+      return out
+
+    job.topology.worker._generate = generate
     controller.train(job)
+    sampled[mode] = (job.topology.worker.engine.graphdef, *generated[0])
     specs = {str(x.sharding.spec) for x in jax.tree.leaves(seen[0])}
     assert any('fsdp' in s for s in specs) == (mode == 'sharded')
     logged[mode] = records(str(tmp_path / mode))[-1]
@@ -141,8 +150,21 @@ def test_a_colocated_run_samples_from_the_copy_with_the_same_figures(tmp_path):
       spans = [e['name'] for e in json.load(f)['traceEvents'] if e.get('ph') == 'X']
     # The copy is made once per policy version (here: for the one rollout).
     assert ('reshard' in spans) == (mode == 'gathered')
-  for key in ('reward/mean', 'response_length/mean', 'actor/pg_loss', 'actor/entropy'):
-    np.testing.assert_allclose(logged['gathered'][key], logged['sharded'][key], rtol=1e-5)
+  # Two programs: the same samples up to a draw rounding could flip
+  # (tests/sampler/margins.py); the figures are compared when no such draw
+  # came before a sample's end.
+  graphdef, params, requests, want = sampled['sharded']
+  got = sampled['gathered'][3]
+  upto = margins.fragile_points(graphdef, params, requests, want)
+  whole = True
+  for w_row, g_row, n_row in zip(want, got, upto, strict=True):
+    for w, g, n in zip(w_row, g_row, n_row, strict=True):
+      np.testing.assert_array_equal(g.tokens[:n], w.tokens[:n])
+      whole &= n == len(w.tokens) and np.array_equal(g.tokens, w.tokens)
+  assert sum(map(sum, upto)) >= 0.75 * sum(len(w.tokens) for row in want for w in row)
+  if whole:
+    for key in ('reward/mean', 'response_length/mean', 'actor/pg_loss', 'actor/entropy'):
+      np.testing.assert_allclose(logged['gathered'][key], logged['sharded'][key], rtol=1e-5)
 
 
 def test_the_held_out_evaluation_of_an_offline_run_reads_the_copy(tmp_path, monkeypatch):
