@@ -399,6 +399,9 @@ def code_section():
   s.strict_types = False  # call-based: the same types at every level (bool is not int)
   # call-based: a fresh process per case, instead of one process for a program's cases
   s.fresh_process_per_case = False
+  # packages the programs may import, besides the standard library (e.g. ('numpy',)):
+  # copied with their dependencies from this environment into the sandbox's own
+  s.packages = ()
   return s
 
 

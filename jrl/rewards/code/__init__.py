@@ -94,6 +94,9 @@ class Settings:
   # call-based: each case in a fresh process (no state shared between cases)
   # instead of one process for a program's cases (as HumanEval's and APPS's harnesses)
   fresh_process_per_case: bool = False
+  # distributions programs may import besides the standard library, copied with
+  # their dependencies from the trainer's environment into the sandbox's own
+  packages: tuple = ()
 
   def __post_init__(self):
     if self.format not in formats.FORMATS:
@@ -113,6 +116,12 @@ class Settings:
     for name in ('strict_types', 'fresh_process_per_case'):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f'reward.code.{name} must be True or False, got {getattr(self, name)!r}')
+    packages = self.packages
+    if isinstance(packages, str) or not all(isinstance(p, str) and p.strip() for p in packages):
+      raise ValueError(
+        f"reward.code.packages must be a tuple of package names, e.g. ('numpy',), got {packages!r}"
+      )
+    object.__setattr__(self, 'packages', tuple(p.strip() for p in packages))
     if not isinstance(self.concurrency, int) or self.concurrency < 0:
       raise ValueError(f'reward.code.concurrency must be an integer >= 0, got {self.concurrency!r}')
 
@@ -152,18 +161,24 @@ def check_sandbox(unsafe=None):
 def configure_sandbox(unsafe, code_settings=None):
   """At start-up: records `unsafe` and the `reward.code` Settings for the reward
   workers (environment variables, inherited by processes started later),
-  checks and logs the isolation level.
+  checks and logs the isolation level, prepares the sandbox's packages
+  (`reward.code.packages`) and checks that a program imports each of them.
 
-  Returns the level (see `check_sandbox`); raises SandboxUnavailableError.
+  Returns the level (see `check_sandbox`); raises SandboxUnavailableError,
+  or ValueError naming `reward.code.packages` and the package that is not
+  installed here or does not import in the sandbox.
   """
   if unsafe:
     os.environ[UNSAFE_ENV] = '1'
   else:
     os.environ.pop(UNSAFE_ENV, None)
   if code_settings is not None:
+    sandbox.set_packages(code_settings.packages)
     os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(code_settings))
   level = check_sandbox(unsafe)
   _log.info('code_tests: sandbox isolation %r (metric %d)', level, sandbox.isolation_metric())
+  if code_settings is not None:
+    sandbox.check_packages(who='reward.code.packages')
   return level
 
 

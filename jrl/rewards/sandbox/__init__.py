@@ -13,12 +13,14 @@ isolation levels, the process tree, what is lost where a mechanism is
 missing, and which module holds what.
 """
 
+import importlib.metadata
+import json
 import logging
 import os
 import threading
 import time
 
-from jrl.rewards.sandbox import zygote
+from jrl.rewards.sandbox import rootfs, zygote
 from jrl.rewards.sandbox.plan import ISOLATION_LEVELS, make_plan
 from jrl.rewards.sandbox.results import STATUSES, KiB, Limits, MiB, RunResult
 from jrl.rewards.sandbox.runner import run
@@ -57,6 +59,7 @@ def isolation_metric():
 
 
 UNSAFE_ENV = 'JRL_SANDBOX_UNSAFE'  # '1': run programs in a degraded sandbox
+PACKAGES_ENV = rootfs.PACKAGES_ENV
 SAFE_LEVELS = ('full', 'no_cgroup')
 _warned = set()
 
@@ -116,6 +119,51 @@ def require_isolation(unsafe=None, who='the sandbox'):
     _warned.add(level)
     _log.warning('%s runs programs in a %r sandbox (UNSAFE), missing %s', who, level, missing)
   return level
+
+
+def set_packages(names):
+  """The distributions programs may import besides the standard library
+  (`JRL_SANDBOX_PACKAGES`, inherited by processes started later): the
+  sandbox's interpreter sees them, with their dependencies, copied from this
+  environment into a directory of their own, and no other package
+  (rootfs.py). Raises ValueError naming one that is not installed here."""
+  names = tuple(sorted({str(n).strip() for n in names if str(n).strip()}))
+  rootfs.closure(names)
+  if names:
+    os.environ[PACKAGES_ENV] = ','.join(names)
+  else:
+    os.environ.pop(PACKAGES_ENV, None)
+
+
+def check_packages(who='the sandbox'):
+  """Runs a program that imports each of the sandbox's packages; raises
+  ValueError naming `who` and the package when one does not import."""
+  names = rootfs.packages()
+  if not names:
+    return
+  rootfs.package_env()
+  modules = {}
+  for name in names:
+    dist = importlib.metadata.distribution(name)
+    top = (dist.read_text('top_level.txt') or '').split()
+    modules[name] = top[0] if top else name.replace('-', '_')
+  probe = (
+    'import importlib, json\n'
+    f'failed = {{}}\nfor name, module in {sorted(modules.items())!r}:\n'
+    '  try:\n    importlib.import_module(module)\n'
+    '  except BaseException as e:\n    failed[name] = f"{type(e).__name__}: {e}"[:300]\n'
+    'print(json.dumps(failed))\n'
+  )
+  result = run_program(probe, limits=Limits(wall_seconds=60, cpu_seconds=30, memory_bytes=4 << 30))
+  try:
+    failed = json.loads(result.stdout.strip().splitlines()[-1])
+  except (ValueError, IndexError):
+    failed = {', '.join(names): f'status {result.status}: {result.stderr[-500:]}'}
+  if failed:
+    raise ValueError(
+      f'{who}: in the sandbox, '
+      + '; '.join(f'{n!r} does not import ({e})' for n, e in failed.items())
+    )
 
 
 def run_program(source, stdin='', *, limits=Limits(), language='python', files=None):  # noqa: B008

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 
+from jrl.rewards.sandbox import rootfs
 from jrl.rewards.sandbox.cgroups import Cgroup
 from jrl.rewards.sandbox.launcher.zygote import FDS
 from jrl.rewards.sandbox.rootfs import root_spec
@@ -73,6 +74,7 @@ class Zygote:
   def __init__(self):
     self.workdir = f'/tmp/jrl_sandbox_{secrets.token_hex(6)}'  # the runs' cwd, in the new root
     self.owner = os.getpid()
+    self.packages = rootfs.packages()  # the root it pivots into shows these
     self._lock = threading.Lock()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     mountpoint = tempfile.mkdtemp(prefix='jrl_sandbox_root_')
@@ -142,7 +144,7 @@ def get():
   where one could not start (logged once)."""
   global _ZYGOTE
   with _LOCK:
-    if _ZYGOTE is not None and _ZYGOTE.alive():
+    if _ZYGOTE is not None and _ZYGOTE.alive() and _ZYGOTE.packages == rootfs.packages():
       return _ZYGOTE
     if _ZYGOTE is not None and _ZYGOTE.owner == os.getpid():
       _ZYGOTE.close()

@@ -34,19 +34,41 @@ def _make_target(path, is_dir):
 
 
 def _check_spec(spec):
-  """Refuses a bind or link inside another: creating its mountpoint would
-  write into the host's directory bound there (the mounts are not read-only
-  until the end)."""
+  """Refuses bad paths and anything inside a link (its mountpoint would be
+  made through the link, in the host's directory bound where it points).
+  Mounts inside binds are mounted on what exists there: `enter_new_root`
+  never creates a mountpoint inside a host bind (the mounts are not
+  read-only until the end), and refuses one that is missing."""
   paths = [p for p, _ in spec['binds']] + [p for p, _ in spec['links']]
+  layered = list(spec.get('masks', ())) + [t for t, _ in spec.get('overlays', ())]
   for d in spec.get('dirs', ()):
-    if any(d == p or d.startswith(p + '/') for p in paths):
-      raise ValueError(f'{d} lies inside a bind or link of the root spec')
-  for p in paths:
+    if any(d == p or d.startswith(p + '/') for p in paths + layered):
+      raise ValueError(f'{d} lies inside a bind, link, mask or overlay of the root spec')
+  for p in paths + layered:
     if not p.startswith('/') or os.path.normpath(p) != p or p == '/':
       raise ValueError(f'bad path in the root spec: {p!r}')
-    for q in paths:
+  for p in paths + layered:
+    for q, _ in spec['links']:
       if p != q and p.startswith(q.rstrip('/') + '/'):
-        raise ValueError(f'{p} lies inside {q} in the root spec')
+        raise ValueError(f'{p} lies inside the link {q} in the root spec')
+
+
+def _layers(spec):
+  """Every mount of the spec, outer first: (path, kind, is_dir, source),
+  kind 'bind' (host `source` at `path`), 'mask' (an empty tmpfs)."""
+  ops = [(p, 'bind', d, p) for p, d in spec['binds']]
+  ops += [(p, 'mask', True, None) for p in spec.get('masks', ())]
+  ops += [(t, 'bind', True, src) for t, src in spec.get('overlays', ())]
+  return sorted(ops, key=lambda op: op[0].count('/'))
+
+
+def _enclosing(path, done):
+  """The kind of the deepest mount already made that holds `path` ('root': none)."""
+  best, kind = '', 'root'
+  for p, k in done:
+    if path.startswith(p.rstrip('/') + '/') and len(p) > len(best):
+      best, kind = p, k
+  return kind
 
 
 def enter_new_root(lib, mountpoint, spec, proc_options):
@@ -54,11 +76,16 @@ def enter_new_root(lib, mountpoint, spec, proc_options):
 
   In a fresh mount namespace (the caller unshared it): the new root holds
   only `spec['binds']` ([host path, is_dir], bound at the same path,
-  recursively), `spec['links']` ([path, target] symlinks), `spec['dirs']`
-  (empty directories, mountpoints for later), a /dev of
-  `DEVICES`, a fresh /proc (`proc_options`: mount options, or None for an
-  empty /proc) and an empty /sys; the old root is detached and everything is
-  made read-only. The caller mounts the writable places afterwards.
+  recursively), `spec['masks']` (paths hidden under an empty tmpfs, e.g. a
+  package directory inside a bound tree), `spec['overlays']` ([path, host
+  source directory] bound over `path`, e.g. the sandbox's own packages over
+  the interpreter's site-packages), `spec['links']` ([path, target]
+  symlinks), `spec['dirs']` (empty directories, mountpoints for later), a
+  /dev of `DEVICES`, a fresh /proc (`proc_options`: mount options, or None
+  for an empty /proc) and an empty /sys; the old root is detached and
+  everything is made read-only. Mounts go outer first; a mountpoint inside
+  a host bind must exist there (never created in the host's directory).
+  The caller mounts the writable places afterwards.
   """
   _check_spec(spec)
   mount(lib, None, '/', None, MS_REC | MS_PRIVATE)
@@ -68,9 +95,20 @@ def enter_new_root(lib, mountpoint, spec, proc_options):
   for path, target in spec['links']:
     os.makedirs(os.path.dirname(at(path)), mode=0o755, exist_ok=True)
     os.symlink(target, at(path))
-  for path, is_dir in sorted(spec['binds'], key=lambda b: b[0].count('/')):  # outer first
-    _make_target(at(path), is_dir)
-    mount(lib, path, at(path), None, MS_BIND | MS_REC)
+  done = []
+  for path, kind, is_dir, source in _layers(spec):
+    if _enclosing(path, done) == 'bind':
+      if not (os.path.isdir(at(path)) if is_dir else os.path.isfile(at(path))):
+        raise ValueError(f'{path}: no such {"directory" if is_dir else "file"} to mount over')
+    else:
+      _make_target(at(path), is_dir)
+    if kind == 'mask':
+      mount(
+        lib, 'tmpfs', at(path), 'tmpfs', MS_NOSUID | MS_NODEV, 'size=64k,nr_inodes=256,mode=0755'
+      )
+    else:
+      mount(lib, source, at(path), None, MS_BIND | MS_REC)
+    done.append((path, kind))
   for name in DEVICES:
     if os.path.exists(f'/dev/{name}'):
       _make_target(at(f'/dev/{name}'), False)
