@@ -30,15 +30,22 @@ of every other file in it.
   aside, below, ends with a barrier). The price: process 0 reads every
   checkpoint back once after it is written (on the training thread, at the
   next save), and every process reads the one it restores once more.
-* Verify. `restore` checks the manifest before handing the files to Orbax: a
-  listed file that is missing, of another size or with another hash raises
-  `CheckpointError` naming the step directory and the file. Files that are
-  not listed are ignored. A step without a manifest (saved before
-  checksums, or killed before its manifest) cannot be verified, so it is
-  refused (`UnverifiedCheckpointError`, naming the step directory and the
-  switch) unless the Checkpointer was made with `allow_unverified=True`
-  (config `checkpoint.allow_unverified`); then it restores with a printed
-  note.
+* Verify. `restore` checks the manifest before handing the files to Orbax.
+  The manifest must list every file of its step, exactly: a listed file that
+  is missing, of another size or with another hash, and a file of the step
+  that is not listed, each raise `CheckpointError` naming the step directory
+  and the file (so a manifest emptied, or rewritten to list fewer files,
+  does not pass). Only the manifest itself and its temporary name
+  (`.jrl_checksums.json.tmp`) are left out. No other file needs to be: the
+  manifest is written once Orbax's save has finished (its commit markers,
+  `_CHECKPOINT_METADATA` and the `commit_success.txt` files, written and the
+  temporary directory renamed to `<step>`), Orbax keeps its temporary
+  directories beside the step directory, not in it, and restores only read.
+  A step without a manifest (saved before checksums, or killed before its
+  manifest) cannot be verified, so it is refused (`UnverifiedCheckpointError`,
+  naming the step directory and the switch) unless the Checkpointer was made
+  with `allow_unverified=True` (config `checkpoint.allow_unverified`); then
+  it restores with a printed note.
 * Values. Every floating-point leaf of the restored state is checked for NaN
   and infinity (a jitted reduction over the global arrays, so the answer is
   the same on every process); a non-finite leaf raises `CheckpointError`
@@ -68,6 +75,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 MANIFEST = 'jrl_checksums.json'
+_MANIFEST_TMP = f'.{MANIFEST}.tmp'  # written, then renamed to MANIFEST
 _FORMAT = 1
 _CHUNK = 1 << 20  # bytes read at a time while hashing
 
@@ -95,9 +103,17 @@ def _files(step_dir):
     dirs.sort()
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), step_dir)
-      if not rel.startswith((MANIFEST, f'.{MANIFEST}')):  # the manifest, or a torn write of it
+      if rel not in (MANIFEST, _MANIFEST_TMP):  # the manifest, or a torn write of it
         found.append(rel)
   return sorted(found)
+
+
+def _more(rels):
+  """' (and 2 more: a, b)' after the first of `rels`; '' for one."""
+  if len(rels) == 1:
+    return ''
+  shown = ', '.join(rels[1:4]) + (', ...' if len(rels) > 4 else '')
+  return f' (and {len(rels) - 1} more: {shown})'
 
 
 def write_manifest(step_dir):
@@ -107,7 +123,7 @@ def write_manifest(step_dir):
     path = os.path.join(step_dir, rel)
     files[rel] = {'size': os.path.getsize(path), 'sha256': _sha256(path)}
   manifest = {'format': _FORMAT, 'algorithm': 'sha256', 'files': files}
-  tmp = os.path.join(step_dir, f'.{MANIFEST}.tmp')
+  tmp = os.path.join(step_dir, _MANIFEST_TMP)
   with open(tmp, 'w') as f:
     json.dump(manifest, f, indent=1, sort_keys=True)
     f.flush()
@@ -116,12 +132,14 @@ def write_manifest(step_dir):
 
 
 def verify_manifest(step_dir):
-  """Checks the files of `step_dir` against its manifest.
+  """Checks the files of `step_dir` against its manifest, which must list every one.
 
   Returns:
-    True when every listed file matches; False when there is no manifest.
+    True when the files of `step_dir` are exactly the listed ones and each
+    matches; False when there is no manifest.
   Raises:
-    CheckpointError naming `step_dir` and the first file that does not match.
+    CheckpointError naming `step_dir` and the first file that is missing,
+    not listed, or does not match.
   """
   path = os.path.join(step_dir, MANIFEST)
   if not os.path.exists(path):
@@ -136,10 +154,22 @@ def verify_manifest(step_dir):
       raise ValueError('malformed file entries')
   except (ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f'{step_dir}: unreadable checksum manifest {MANIFEST} ({e}).') from e
+  present = _files(step_dir)
+  # Compared as sets of relative paths, so a listed path outside `step_dir`
+  # is missing, never opened.
+  missing = sorted(set(files) - set(present))
+  if missing:
+    raise CheckpointError(
+      f'{step_dir}: file {missing[0]} is missing (listed in {MANIFEST}){_more(missing)}.'
+    )
+  unlisted = sorted(set(present) - set(files))
+  if unlisted:
+    raise CheckpointError(
+      f'{step_dir}: file {unlisted[0]} is not listed in {MANIFEST}{_more(unlisted)}; the '
+      'manifest must list every file of its step.'
+    )
   for rel, expected in sorted(files.items()):
     file = os.path.join(step_dir, rel)
-    if not os.path.isfile(file):
-      raise CheckpointError(f'{step_dir}: file {rel} is missing (listed in {MANIFEST}).')
     size = os.path.getsize(file)
     if size != expected['size']:
       raise CheckpointError(

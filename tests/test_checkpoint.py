@@ -4,13 +4,15 @@ to the newest intact step.
 Small train states (a [64, 64] random matrix, a bias, an optax Adam state
 after one update) are saved for steps 1, 2 and 3, then files of a step are
 damaged on disk the way a bad disk or a partial copy would: 4 KiB of flipped
-bytes, a truncated file, a deleted file. Steps without a checksum manifest
-are refused unless allowed. The last test damages the latest checkpoint of a
+bytes, a truncated file, a deleted file; or their manifest is rewritten to
+list fewer or other files, or a stray file is added. Steps without a
+checksum manifest are refused unless allowed. The last test damages the latest checkpoint of a
 shrunken real run (`configs/grpo_arith.py`, SFT only) and checks that the
 restarted run resumes from the step before and ends where the uninterrupted
 run ended.
 """
 
+import json
 import os
 import shutil
 
@@ -119,6 +121,87 @@ def test_round_trip_is_bit_exact_and_every_step_is_checksummed(tmp_path, async_s
     assert_trees_equal(restored, states[step])
   checkpointer.close()
   assert sorted(os.listdir(directory), key=int) == ['1', '2', '3']
+  # The manifest lists every file of its step: nothing was written after it,
+  # by Orbax or by the restores.
+  for step in STEPS:
+    step_dir = os.path.join(directory, str(step))
+    on_disk = {
+      os.path.relpath(os.path.join(root, name), step_dir)
+      for root, _, names in os.walk(step_dir)
+      for name in names
+    }
+    assert set(read_manifest(directory, step)['files']) == on_disk - {ckpt_lib.MANIFEST}
+    assert {'_CHECKPOINT_METADATA', 'commit_success.txt', 'state/commit_success.txt'} <= on_disk
+
+
+def read_manifest(directory, step):
+  with open(os.path.join(directory, str(step), ckpt_lib.MANIFEST)) as f:
+    return json.load(f)
+
+
+def rewrite_manifest(directory, step, edit):
+  """Rewrites the manifest of `step` with `edit(files)` applied to its file entries."""
+  manifest = read_manifest(directory, step)
+  manifest['files'] = edit(manifest['files'])
+  with open(os.path.join(directory, str(step), ckpt_lib.MANIFEST), 'w') as f:
+    json.dump(manifest, f)
+
+
+def empty_manifest(directory, step):
+  rewrite_manifest(directory, step, lambda files: {})
+  return '_CHECKPOINT_METADATA', 'is not listed in jrl_checksums.json (and '
+
+
+def stray_file(directory, step):
+  with open(os.path.join(directory, str(step), 'state', 'stray'), 'wb') as f:
+    f.write(b'not written by Orbax')
+  return 'state/stray', 'is not listed in jrl_checksums.json; the manifest must list'
+
+
+def unlisted_data_file(directory, step):
+  rel = data_file(directory, step)
+  rewrite_manifest(directory, step, lambda files: {k: v for k, v in files.items() if k != rel})
+  return rel, 'is not listed in jrl_checksums.json; the manifest must list'
+
+
+def listed_missing_file(directory, step):
+  entry = {'size': 4, 'sha256': '0' * 64}
+  rewrite_manifest(directory, step, lambda files: {**files, 'state/d/ghost': entry})
+  return 'state/d/ghost', 'is missing (listed in jrl_checksums.json).'
+
+
+@pytest.mark.parametrize(
+  'edit', [empty_manifest, stray_file, unlisted_data_file, listed_missing_file]
+)
+def test_a_manifest_must_list_exactly_the_files_of_its_step(saved, edit, capsys):
+  """An emptied manifest, a file not listed (added to the step, or dropped from
+  the manifest) and a listed file that is not there: the step is refused naming
+  the step and the file, and the restore falls back to the step before."""
+  directory, states = saved
+  rel, problem = edit(directory, 3)
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  with pytest.raises(ckpt_lib.CheckpointError) as info:
+    checkpointer.verify(3)
+  assert str(info.value).startswith(f'{directory}/3: file {rel} {problem}')
+  assert checkpointer.verify(2) is True
+  checkpointer.close()
+  step, state, meta = restore_latest(directory, states[3])
+  assert step == 2 and meta == {'iteration': 2}
+  assert_trees_equal(state, states[2])
+  out = capsys.readouterr().out
+  assert f'checkpoint step 3 is damaged, skipping it: {directory}/3: file {rel} {problem}' in out
+  assert sorted(os.listdir(directory), key=int) == ['1', '2']
+  assert os.path.isdir(os.path.join(f'{directory}.damaged', '3'))
+
+
+def test_a_torn_manifest_write_beside_the_manifest_is_not_a_stray_file(saved):
+  """The temporary name the manifest is written under is jrl's own, not listed."""
+  directory, states = saved
+  step_dir = os.path.join(directory, '3')
+  shutil.copy(
+    os.path.join(step_dir, ckpt_lib.MANIFEST), os.path.join(step_dir, '.jrl_checksums.json.tmp')
+  )
+  assert restore_latest(directory, states[3])[0] == 3
 
 
 @pytest.mark.parametrize('how', ['flip', 'truncate', 'delete'])
