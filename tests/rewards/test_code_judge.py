@@ -220,7 +220,7 @@ def test_driver_reports_each_case_and_per_case_limits():
   assert time.monotonic() - t0 < 10  # one sandbox start, not thirty
 
 
-def test_asserts_mode_stops_exits_and_prints_and_documents_the_rest():
+def test_asserts_mode_stops_exits_and_prints():
   row = {
     'test': 'def check(candidate):\n  for x in range(5):\n    assert candidate(x) == x + 1\n',
     'entry_point': 'inc',
@@ -240,8 +240,9 @@ def test_asserts_mode_stops_exits_and_prints_and_documents_the_rest():
     'print("passed")\nimport os\nos._exit(0)\n',
   ):
     assert run(early) == 0.0, early
-  # Documented as forgeable: the check runs in the program's process.
-  assert run('class A:\n  def __eq__(self, o): return True\ndef inc(x):\n  return A()\n') == 1.0
+  # The check runs in a process of its own and gets plain values: an
+  # always-equal object cannot cross (tests/rewards/test_hostile.py has the rest).
+  assert run('class A:\n  def __eq__(self, o): return True\ndef inc(x):\n  return A()\n') == 0.0
 
 
 def test_budget_exhaustion_is_unscored_never_zero(monkeypatch):

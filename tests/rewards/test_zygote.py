@@ -80,7 +80,9 @@ def test_the_driver_runs_warm_with_the_same_results(monkeypatch):
       json.dumps(job), limits=Limits(wall_seconds=20), files={'solution.py': solution}
     )
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    runs.append([(row.get('status'), row.get('value')) for row in rows])
+    starts = [row['start'] for row in rows if 'start' in row]
+    assert starts == [0, 1, 2, 3]  # each case reported as it starts
+    runs.append([(row.get('status'), row.get('value')) for row in rows if 'start' not in row])
   assert runs[0] == runs[1]
   assert runs[0][:4] == [('ok', '[0, 0]'), ('ok', '[1, 1]'), ('timeout', None), ('ok', '[3, 9]')]
 

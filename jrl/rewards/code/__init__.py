@@ -269,22 +269,32 @@ def score_program(
     tests = formats.parse({'tests': tests})
   deadline = None if budget_s is None else time.monotonic() + float(budget_s)
   verdict = run_tests(
-    source, tests, limits=limits, deadline=deadline, fresh_process_per_case=fresh_process_per_case
+    source,
+    tests,
+    limits=limits,
+    deadline=deadline,
+    fresh_process_per_case=fresh_process_per_case,
+    stop_at_failure=score == 'all',
   )
   return verdict.score(score)
 
 
-def score_programs(sources, tests, limits, *, budget_s, concurrency, fresh_process_per_case=False):
+def score_programs(
+  sources, tests, limits, *, budget_s, concurrency, fresh_process_per_case=False, score='fraction'
+):
   """The Verdict of each (source, tests, limits), at most `concurrency` at a
-  time, none started after `budget_s` seconds from now."""
+  time, none started after `budget_s` seconds from now; with `score='all'`
+  a program stops at its first failing case."""
   if not sources:
     return []
   deadline = time.monotonic() + float(budget_s)
   concurrency = max(1, min(int(concurrency), len(sources)))
-  fresh = fresh_process_per_case
+  options = dict(
+    deadline=deadline, fresh_process_per_case=fresh_process_per_case, stop_at_failure=score == 'all'
+  )
   with futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
     jobs = [
-      pool.submit(run_tests, s, t, limits=lim, deadline=deadline, fresh_process_per_case=fresh)
+      pool.submit(run_tests, s, t, limits=lim, **options)
       for s, t, lim in zip(sources, tests, limits, strict=True)
     ]
     return [job.result() for job in jobs]
@@ -321,6 +331,7 @@ def code_tests(prompts, completions, metadata):
     budget_s=budget_s,
     concurrency=cfg.workers(),
     fresh_process_per_case=cfg.fresh_process_per_case,
+    score=cfg.score,
   )
   unrun = 0
   for i, verdict in zip(index, verdicts, strict=True):

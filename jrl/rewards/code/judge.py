@@ -11,11 +11,23 @@ each case returned or printed; the verdict is taken here, against expected
 values the sandbox never saw.
 
 Time. Each case runs under `limits.wall_seconds` of wall clock (and as many
-CPU seconds, rounded up). A case is not started when less than that is left
-before `deadline`: it is 'not_run', and a program left with such cases is
+CPU seconds, rounded up), so a program's run is bounded by its own cases'
+limits. A case is not started when less than that is left before
+`deadline`: it is 'not_run', and a program left with such cases is
 unscored (None) unless its own cases timed out (then they count as failed:
 being slow is the program's doing) or, with `score='all'`, a case that did
-run already failed it.
+run already failed it; with `stop_at_failure` (what `score='all'` uses) the
+cases after one that failed in the driver (an error, a timeout, ...) are
+'skipped', failed without being run.
+
+Failures are the program's own. The driver reports each case as it starts
+and as it ends (sandbox/driver.py); a case that started and never ended,
+and every case after it, is 'lost' (a failure): the program stopped, killed
+or outlived its driver. A driver silent for longer than a case may take
+(`Limits.quiet_seconds`) ends the run at once ('stalled'), so a stopped
+driver costs its slot one case's time, not the budget. Only cases that
+never started because the call's budget ran out (other programs used the
+time) are 'not_run'.
 """
 
 import dataclasses
@@ -31,6 +43,8 @@ from jrl.rewards.sandbox import Limits
 
 STARTUP_S = 1.0  # a sandbox start and clean-up, beyond the cases' own time
 CASE_OVERHEAD_S = 0.05  # the driver's fork and bookkeeping, per case
+REPORT_SLACK_S = 1.0  # a case's end (kill, reap, report) beyond its wall limit
+FAILED_HERE = ('lost', 'skipped')  # statuses that fail a case the driver did not judge
 SCORES = ('fraction', 'all')
 
 
@@ -39,7 +53,8 @@ class Verdict(NamedTuple):
   total: int
   not_run: int  # cases not started for lack of budget
   timed_out: int  # cases stopped at their time limit
-  statuses: tuple  # per case: 'pass' | 'fail' | the driver's status ('timeout', 'error', ...)
+  # per case: 'pass' | 'fail' | 'timeout' | 'not_run' | 'skipped' | 'lost' (sandbox/driver.py)
+  statuses: tuple
 
   def score(self, how='fraction'):
     """'fraction': passed / total; 'all': 1.0 if every case passed, else 0.0;
@@ -52,13 +67,14 @@ class Verdict(NamedTuple):
     return self.passed / self.total
 
 
-def _job(tests, case_wall, deadline_s, limits, fresh_process_per_case=False):
+def _job(tests, case_wall, deadline_s, limits, fresh_process_per_case=False, stop=False):
   job = {
     'mode': tests.kind,
     'case_wall_s': case_wall,
     'case_cpu_s': max(1, math.ceil(min(float(limits.cpu_seconds), case_wall))),
     'deadline_s': deadline_s,
     'max_output_bytes': int(limits.max_output_bytes),
+    'stop_at_failure': bool(stop),
   }
   if tests.kind == 'stdin':
     job['cases'] = [{'stdin': inp} for inp, _ in tests.cases]
@@ -86,11 +102,13 @@ def _passes(tests, i, result):
     except (compare.BadValue, KeyError, TypeError):
       return False
     return compare.matches(value, tests.cases[i].expect)
-  return True  # asserts: the driver checked the verdict token
+  return True  # asserts: only the check's own process reports 'ok' (sandbox/driver.py)
 
 
-def _results(stdout, n):
-  found = {}
+def _lines(stdout, n):
+  """(first result line of each case, cases reported started, whether the
+  driver wrote its last line)."""
+  found, started, done = {}, set(), False
   for line in stdout.splitlines():
     line = line.strip()
     if not line.startswith('{'):
@@ -99,50 +117,70 @@ def _results(stdout, n):
       row = json.loads(line)
     except ValueError:
       continue
-    if isinstance(row, dict) and type(row.get('case')) is int and 0 <= row['case'] < n:
+    if not isinstance(row, dict):
+      continue
+    if type(row.get('case')) is int and 0 <= row['case'] < n:
       found.setdefault(row['case'], row)
-  return found
+    elif type(row.get('start')) is int and 0 <= row['start'] < n:
+      started.add(row['start'])
+    elif row.get('done') == n:
+      done = True
+  return found, started, done
 
 
-def run_tests(source, tests, *, limits=None, deadline=None, fresh_process_per_case=False):
+def run_tests(
+  source, tests, *, limits=None, deadline=None, fresh_process_per_case=False, stop_at_failure=False
+):
   """The Verdict of `source` on `tests` (formats.StdinTests | CallTests |
   AssertTests), every case under `limits` (default `Limits()`), none started
   after `deadline` (time.monotonic(); None: no bound). Call-based cases run
   one after another in one process (a fresh one after a case that timed out
   or crashed), or each in a fresh process with `fresh_process_per_case`.
+  `stop_at_failure`: no case runs after one that failed in the driver.
   Raises RuntimeError when the sandbox itself fails (the program is then
   unscored)."""
   limits = Limits() if limits is None else limits
   n = len(tests)
   case_wall = float(limits.wall_seconds)
-  need = n * (case_wall + CASE_OVERHEAD_S) + STARTUP_S
+  slack = STARTUP_S + REPORT_SLACK_S
+  need = n * (case_wall + CASE_OVERHEAD_S) + slack
   left = need if deadline is None else deadline - time.monotonic()
-  if left < case_wall + STARTUP_S:
+  if left < case_wall + slack:
     return Verdict(0, n, n, 0, ('not_run',) * n)
   run_wall = min(need, left)
-  job = _job(tests, case_wall, run_wall - STARTUP_S, limits, fresh_process_per_case)
+  # The driver starts no case it could not end (and report) before the run's
+  # wall: a started case without an end is then never the budget's doing.
+  job = _job(tests, case_wall, run_wall - slack, limits, fresh_process_per_case, stop_at_failure)
   run_limits = dataclasses.replace(
     limits,
     wall_seconds=run_wall,
     cpu_seconds=job['case_cpu_s'] + 1 + math.ceil(0.01 * n),
     max_output_bytes=n * (int(limits.max_output_bytes) + 512) + 4096,
+    quiet_seconds=case_wall + slack,
   )
   result = sandbox.run_driver(json.dumps(job), limits=run_limits, files={'solution.py': source})
   if result.status == 'sandbox_error':
     raise RuntimeError(f'sandbox failed: {result.stderr[:2000]}')
-  found = _results(result.stdout, n)
-  cut_short = result.status == 'timeout' and run_wall < need  # the budget, not the program
+  found, started, done = _lines(result.stdout, n)
+  unended = started - set(found)
+  # The run's wall reached with every started case ended: the budget, not the program.
+  cut_short = result.status == 'timeout' and run_wall < need and not unended
   statuses, passed, not_run, timed_out = [], 0, 0, 0
   for i in range(n):
     row = found.get(i)
     if row is None:
-      status = 'not_run' if cut_short else 'error'
+      if cut_short or (done and i not in started):
+        status = 'not_run'
+      else:  # lost after the program ran; an error of the run where it never did
+        status = 'lost' if started or found else 'error'
     elif _passes(tests, i, row):
       status = 'pass'
+    elif row.get('status') in ('not_run', 'timeout', *FAILED_HERE):
+      status = row['status']
     else:
-      status = row.get('status') if row.get('status') in ('not_run', 'timeout') else 'fail'
+      status = 'fail'
     statuses.append(status)
     passed += status == 'pass'
     not_run += status == 'not_run'
-    timed_out += status == 'timeout'
+    timed_out += status in ('timeout', 'lost')
   return Verdict(passed, n, not_run, timed_out, tuple(statuses))

@@ -17,37 +17,56 @@ Its job arrives on stdin, one JSON document; it holds the cases' INPUTS only
 
 The driver never runs the program's code itself: it forks children from its
 own warm interpreter (in a zygote run, the zygote's: see sandbox/README.md).
-A stdin or asserts case gets a child of its own; call-mode cases run one
-after another in one child (each call on a fresh instance, for a class),
-or one child per case with "fresh_process_per_case": true, and after a
-case that timed out, crashed or passed the output cap the next cases run in
-a fresh child. A child puts itself in a process group of its own, points
-stdin at the case's input (or /dev/null), stdout and stderr at /dev/null
-(call mode) or a pipe to the driver (stdin mode), closes every other
-descriptor but its result pipe, sets RLIMIT_CPU and runs the program. A
-call-mode child then calls the function and writes the return value,
-encoded with tags for the types JSON lacks, as one line per case to its
-result pipe; the driver kills the child's group when a case passes
-`case_wall_s`, when its output passes `max_output_bytes`, or when it has
-done. A case after the first that would start with less than
-`case_wall_s` left before `deadline_s` is not started ('not_run'); the
-first always starts (the caller gave the run time for one case beyond the
-driver's start, which a loaded machine can slow past the slack). The
-driver makes itself non-dumpable, so a child cannot open its descriptors or
-memory through /proc, and writes one JSON line per case, as each ends, to
-its real stdout, which no child holds, then a last line
-{"done": <cases>}:
+A stdin case gets a child of its own; call-mode cases run one after another
+in one child (each call on a fresh instance, for a class), or one child per
+case with "fresh_process_per_case": true, and after a case that timed out,
+crashed or passed the output cap the next cases run in a fresh child. A
+child puts itself in a process group of its own, points stdin at the case's
+input (or /dev/null), stdout and stderr at /dev/null (call mode) or a pipe
+to the driver (stdin mode), closes every other descriptor but its result
+pipe, sets RLIMIT_CPU and runs the program. A call-mode child then calls the
+function and writes the return value, encoded with tags for the types JSON
+lacks, as one line per case to its result pipe; the driver kills the
+child's group when a case passes `case_wall_s`, when its output passes
+`max_output_bytes`, or when it has done.
+
+The asserts case runs in two children: the program in one, a fresh
+interpreter (`main.py --serve`: nothing of the job is in its memory), which
+answers calls of the names it defines as call-mode cases (`serve`); the
+check code in the other, forked from the driver (it never ran a line of the
+program), where each name the program defines at its top level is a stub
+that calls it over a pipe with plain, encoded values (`_check_client`).
+Only the check's process holds the pipe the verdict comes back on, and it
+writes {"ok": true} when `check(candidate)` returns; a value report is
+never a pass in asserts mode, nor an "ok" in call mode.
+
+A case after the first that would start with less than `case_wall_s` left
+before `deadline_s` is not started ('not_run'); the first always starts
+(the caller gave the run time for one case beyond the driver's start, which
+a loaded machine can slow past the slack). With "stop_at_failure": true
+(the caller scores 'all'), the cases after one that failed here (an error,
+a timeout, a crash, the output cap, an unencodable return) are not started
+('skipped'): the program's score is already fixed. The driver makes itself
+non-dumpable, so a child cannot trace another or open its descriptors or
+memory through /proc, and writes to its real stdout, which no child holds,
+a line {"start": i} as case i starts and one JSON line per case as it
+ends, then a last line {"done": <cases>}; so the caller tells a case that
+started and never ended (a driver stopped or killed by the program) from
+one never started:
 
     {"case": 0, "status": "ok" | "error" | "timeout" | "crash" |
-     "output_limit" | "bad_return" | "not_run",
+     "output_limit" | "bad_return" | "not_run" | "skipped",
      "value": "<tagged JSON>" | "stdout": "...", "error": "...", "wall": 0.01}
 
 Nothing the program does can produce a pass by itself: the verdict is the
 caller's comparison (jrl/rewards/code/compare.py) with expected values that
-never enter the sandbox; asserts mode, whose check runs in the program's
-process, is forgeable.
+never enter the sandbox, or, in asserts mode, the check's own process
+returning; the check's expected values reach that process and the driver,
+never the program's. A program can make its check fail (end or stop its
+processes, the driver included), never pass.
 """
 
+import ast
 import base64
 import builtins
 import io
@@ -157,16 +176,18 @@ def _short(exc):
   return text[:300]
 
 
-def _setup_child(job, result_w, devnull, input_fd, max_fd, cpu_s):
-  """The forked child's own process group, descriptors, CPU limit and streams."""
+def _setup_child(job, result_w, devnull, input_fd, max_fd, cpu_s, keep=None):
+  """The forked child's own process group, descriptors (all closed but the
+  streams and `keep`, default the result pipe), CPU limit and streams."""
   os.setpgid(0, 0)
   mode = job['mode']
   os.dup2(input_fd if input_fd is not None else devnull, 0)
   os.dup2(result_w if mode == 'stdin' else devnull, 1)
   os.dup2(devnull, 2)
-  keep = 1 if mode == 'stdin' else result_w
+  if keep is None:
+    keep = () if mode == 'stdin' else (result_w,)
   for fd in range(3, max_fd):
-    if fd != keep:
+    if fd not in keep:
       try:
         os.close(fd)
       except OSError:
@@ -198,36 +219,132 @@ def _write_all(fd, data):
 
 
 def _child(code, job, result_w, devnull, input_fd, max_fd):
-  """A stdin or asserts case, in the forked child; never returns."""
+  """A stdin case, in the forked child; never returns."""
   try:
     _setup_child(job, result_w, devnull, input_fd, max_fd, job['case_cpu_s'])
   except BaseException:
     os._exit(70)
-  if job['mode'] == 'stdin':
-    code_ok = 0
-    try:
-      exec(code, {'__name__': '__main__', '__builtins__': builtins, '__file__': 'solution.py'})
-    except SystemExit as e:
-      code_ok = 0 if e.code in (None, 0) else 1
-    except BaseException:
-      code_ok = 1
-    try:
-      sys.stdout.flush()
-    except BaseException:
-      code_ok = 1
-    os._exit(code_ok)
+  code_ok = 0
   try:
+    exec(code, {'__name__': '__main__', '__builtins__': builtins, '__file__': 'solution.py'})
+  except SystemExit as e:
+    code_ok = 0 if e.code in (None, 0) else 1
+  except BaseException:
+    code_ok = 1
+  try:
+    sys.stdout.flush()
+  except BaseException:
+    code_ok = 1
+  os._exit(code_ok)
+
+
+def _call_payload(call, case):
+  """One call's result line: its encoded value, or what went wrong."""
+  try:
+    value = call(*decode(case.get('args', [])), **decode(case.get('kwargs', {'$d': []})))
+    return _dumps({'value': json.dumps(encode(value), allow_nan=False)})
+  except SystemExit as e:
+    return _dumps({'error': f'SystemExit: {e.code!r:.100}'})
+  except _Unencodable as e:
+    return _dumps({'bad_return': str(e)})
+  except BaseException as e:
+    return _dumps({'error': _short(e)})
+
+
+def _program_server(job, req_r, resp_w, devnull, max_fd):
+  """Asserts mode, the program's side (forked child; never returns): a
+  fresh interpreter (`python -I main.py --serve`, main.py being this file)
+  so that nothing of the job, the check's expected values included, is in
+  the program's memory; `serve` runs there."""
+  try:
+    _setup_child(job, resp_w, devnull, None, max_fd, job['case_cpu_s'], keep=(req_r, resp_w))
+    for fd in (req_r, resp_w):
+      os.set_inheritable(fd, True)
+    main_py = os.path.abspath('main.py')
+    os.execv(sys.executable, [sys.executable, '-I', main_py, '--serve', str(req_r), str(resp_w)])
+  except BaseException:
+    os._exit(70)
+
+
+def serve(req_r, resp_w):
+  """`main.py --serve`: runs solution.py, then answers each request line
+  {"name", "args", "kwargs"} from the check's process with one result line,
+  as a call-mode case; ends when the requests do."""
+  sys.argv = ['solution.py']
+  try:
+    with open('solution.py', encoding='utf-8', errors='surrogatepass') as f:
+      code = compile(f.read(), 'solution.py', 'exec', dont_inherit=True)
     namespace = {'__name__': 'solution', '__builtins__': builtins, '__file__': 'solution.py'}
     exec(code, namespace)
+  except BaseException:
+    os._exit(1)  # the check sees the pipe close: its call fails
+  requests = open(req_r, 'rb', closefd=False)
+  for line in requests:
+    try:
+      request = json.loads(line)
+      fn = namespace[request['name']]
+    except BaseException as e:
+      payload = _dumps({'error': _short(e)})
+    else:
+      payload = _call_payload(fn, request)
+    _write_all(resp_w, (payload + '\n').encode('utf-8', errors='replace'))
+  os._exit(0)
+
+
+def _check_client(job, names, req_w, resp_r, result_w, devnull, max_fd):
+  """Asserts mode, the check's side (forked child; never returns): runs the
+  check code in a process the program never ran in, every name the program
+  defines (`names`) a stub that calls it in the program's process with
+  plain values; writes {"ok": true} when `check(candidate)` returns."""
+  try:
+    keep = (req_w, resp_r, result_w)
+    _setup_child(job, result_w, devnull, None, max_fd, job['case_cpu_s'], keep=keep)
+  except BaseException:
+    os._exit(70)
+  replies = open(resp_r, 'rb', closefd=False)
+
+  def stub(name):
+    def call(*args, **kwargs):
+      request = {'name': name, 'args': encode(list(args)), 'kwargs': encode(dict(kwargs))}
+      _write_all(req_w, (_dumps(request) + '\n').encode('utf-8'))
+      line = replies.readline()
+      if not line:
+        raise RuntimeError(f'the program ended during a call of {name}')
+      reply = json.loads(line)
+      if 'value' in reply:
+        return decode(json.loads(reply['value']))
+      raise RuntimeError(f'{name}: {reply.get("error") or reply.get("bad_return")}'[:300])
+
+    return call
+
+  try:
+    namespace = {'__name__': 'check', '__builtins__': builtins}
+    namespace.update({name: stub(name) for name in names})
     exec(job['check_code'], namespace)
     namespace['check'](namespace[job['entry']])
-    payload = _dumps({'ok': job['token']})
+    payload = _dumps({'ok': True})
   except SystemExit as e:
     payload = _dumps({'error': f'SystemExit: {e.code!r:.100}'})
   except BaseException as e:
     payload = _dumps({'error': _short(e)})
   _write_all(result_w, payload.encode('utf-8', errors='replace'))
   os._exit(0)
+
+
+def defined_names(source, entry):
+  """The names the program defines at its top level (functions, classes,
+  assignments), read without running it; `entry` always."""
+  names = {entry}
+  try:
+    tree = ast.parse(source)
+  except (SyntaxError, ValueError, RecursionError, MemoryError):
+    return names
+  for node in tree.body:
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+      names.add(node.name)
+    elif isinstance(node, ast.Assign):
+      names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+  return names
 
 
 def _call_child(code, job, cases, result_w, devnull, max_fd):
@@ -249,14 +366,10 @@ def _call_child(code, job, cases, result_w, devnull, max_fd):
   for case in cases:
     try:  # LeetCode style: a method of a fresh instance of the class, if defined
       call = getattr(cls(), job['fn']) if fn is None else fn
-      value = call(*decode(case.get('args', [])), **decode(case.get('kwargs', {'$d': []})))
-      payload = _dumps({'value': json.dumps(encode(value), allow_nan=False)})
-    except SystemExit as e:
-      payload = _dumps({'error': f'SystemExit: {e.code!r:.100}'})
-    except _Unencodable as e:
-      payload = _dumps({'bad_return': str(e)})
     except BaseException as e:
       payload = _dumps({'error': _short(e)})
+    else:
+      payload = _call_payload(call, case)
     _write_all(result_w, (payload + '\n').encode('utf-8', errors='replace'))
   os._exit(0)
 
@@ -328,17 +441,64 @@ def _result(job, data, wall):
     ((key, body),) = report.items()
   except Exception:
     return {'status': 'error', 'error': 'an unreadable result', 'wall': wall}
-  if key == 'value' and isinstance(body, str):
+  asserts = job['mode'] == 'asserts'
+  if key == 'value' and isinstance(body, str) and not asserts:
     return {'status': 'ok', 'value': body, 'wall': wall}
-  if key == 'ok':
-    return {'status': 'ok' if body == job['token'] else 'error', 'wall': wall}
+  if key == 'ok' and body is True and asserts:  # written by the check's own process only
+    return {'status': 'ok', 'wall': wall}
+  if key in ('value', 'ok'):
+    return {'status': 'error', 'error': f'a {key!r} report in {job["mode"]} mode', 'wall': wall}
   if key == 'bad_return':
     return {'status': 'bad_return', 'error': str(body)[:300], 'wall': wall}
   return {'status': 'error', 'error': str(body)[:300], 'wall': wall}
 
 
+def _fork(target, *args):
+  """Forks a child that runs `target(*args)` (which never returns); its pid."""
+  pid = os.fork()
+  if pid == 0:
+    target(*args)
+    os._exit(70)  # deliberate: targets end with os._exit; this is never reached
+  try:
+    os.setpgid(pid, pid)
+  except OSError:
+    pass
+  return pid
+
+
+def run_asserts(job, devnull, max_fd, names):
+  """The asserts case: the program in one child, the check in another that
+  calls it over pipes (`_program_server`, `_check_client`); the verdict is
+  what the check's process reports, the program's process never holds the
+  descriptor it reports on."""
+  t0 = time.monotonic()
+  req_r, req_w = os.pipe()
+  resp_r, resp_w = os.pipe()
+  program = _fork(_program_server, job, req_r, resp_w, devnull, max_fd)
+  r, w = os.pipe()  # made after the program's fork: it never had it
+  check = _fork(_check_client, job, names, req_w, resp_r, w, devnull, max_fd)
+  for fd in (req_r, req_w, resp_r, resp_w, w):
+    os.close(fd)
+  try:
+    how, data, status = _read_until(r, check, float(job['case_wall_s']), 1 << 16)
+  finally:
+    os.close(r)
+  _ended(program, job['case_cpu_s'])
+  if status is None:
+    status, slow = _ended(check, job['case_cpu_s'])
+  else:
+    _kill(check)
+    status, slow = status[0], _slow(*status, job['case_cpu_s'])
+  wall = round(time.monotonic() - t0, 4)
+  if how != 'done':
+    return {'status': how, 'wall': wall}
+  if os.WIFSIGNALED(status) or not data:
+    return _died(status, slow, wall)
+  return _result(job, data, wall)
+
+
 def run_case(code, job, case, devnull, max_fd, scratch):
-  """A stdin or asserts case in a fresh child of its own."""
+  """A stdin case in a fresh child of its own."""
   t0 = time.monotonic()
   input_fd = None
   if job['mode'] == 'stdin':
@@ -404,17 +564,33 @@ def _read_line(fd, buf, wall_s, cap):
       buf += chunk
 
 
-def run_calls(code, job, devnull, max_fd, deadline, report):
+FAILURES = ('error', 'timeout', 'crash', 'output_limit', 'bad_return')
+
+
+def run_calls(code, job, devnull, max_fd, deadline, report, started):
   """Call-mode cases: one child runs them one after another (each call on a
   fresh instance, for a class), each under its own wall limit; a case that
   times out, crashes or exceeds the output cap ends that child, and a fresh
   one runs the cases after it. `job['fresh_process_per_case']`: a child per
   case. Cases after the first that would start with less than their limit
-  left before `deadline` are 'not_run'."""
+  left before `deadline` are 'not_run'; with `job['stop_at_failure']`, the
+  cases after one that failed here (an error, a timeout, ...) are
+  'skipped'."""
   cases = job['cases']
   wall_s, cap = float(job['case_wall_s']), int(job['max_output_bytes'])
+  failed = False
+
+  def ended(i, result):
+    nonlocal failed
+    report(i, result)
+    failed = bool(job.get('stop_at_failure')) and result['status'] in FAILURES
+
   i = 0
   while i < len(cases):
+    if failed:
+      report(i, {'status': 'skipped'})
+      i += 1
+      continue
     if i and time.monotonic() + wall_s > deadline:
       report(i, {'status': 'not_run'})
       i += 1
@@ -432,19 +608,20 @@ def run_calls(code, job, devnull, max_fd, deadline, report):
     buf, end = b'', i + batch
     try:
       while i < end:
+        started(i)
         t0 = time.monotonic()
         how, line, buf = _read_line(r, buf, wall_s, cap)
         wall = round(time.monotonic() - t0, 4)
         if how != 'line':
           status, slow = _ended(pid, job['case_cpu_s'])
           pid = None
-          report(i, {'status': how, 'wall': wall} if how != 'eof' else _died(status, slow, wall))
+          ended(i, {'status': how, 'wall': wall} if how != 'eof' else _died(status, slow, wall))
           i += 1
           break
-        report(i, _result(job, line, wall))
+        ended(i, _result(job, line, wall))
         i += 1
-        if i < end and time.monotonic() + wall_s > deadline:
-          break  # the rest are not run
+        if failed or (i < end and time.monotonic() + wall_s > deadline):
+          break  # the rest are skipped, or not run
     finally:
       os.close(r)
       if pid is not None:
@@ -463,8 +640,6 @@ def main():
   os.dup2(devnull, 0)
   os.dup2(devnull, 1)
   job = json.loads(raw.decode('utf-8'))
-  if job['mode'] == 'asserts':
-    job['token'] = base64.b32encode(os.urandom(20)).decode('ascii')
   _nondumpable()
   max_fd = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096)
   deadline = time.monotonic() + float(job['deadline_s'])
@@ -473,26 +648,43 @@ def main():
     result['case'] = i
     os.write(out, json.dumps(result).encode('utf-8') + b'\n')
 
+  def started(i):  # the caller tells a case that never ended from one never started
+    os.write(out, json.dumps({'start': i}).encode('utf-8') + b'\n')
+
   try:
     with open('solution.py', encoding='utf-8', errors='surrogatepass') as f:
-      code = compile(f.read(), 'solution.py', 'exec', dont_inherit=True)
+      source = f.read()
+    code = compile(source, 'solution.py', 'exec', dont_inherit=True)
     if job['mode'] == 'asserts':
       job['check_code'] = compile(job['check'], 'check.py', 'exec', dont_inherit=True)
+      names = defined_names(source, job['entry'])
   except Exception as e:
     for i in range(len(job['cases'])):
       report(i, {'status': 'error', 'error': _short(e), 'wall': 0.0})
   else:
     scratch = os.path.join(os.getcwd(), '.case_input')
     if job['mode'] == 'call':
-      run_calls(code, job, devnull, max_fd, deadline, report)
+      run_calls(code, job, devnull, max_fd, deadline, report, started)
     else:
+      failed = False
       for i, case in enumerate(job['cases']):
-        if i and time.monotonic() + float(job['case_wall_s']) > deadline:
+        if failed:
+          report(i, {'status': 'skipped'})
+        elif i and time.monotonic() + float(job['case_wall_s']) > deadline:
           report(i, {'status': 'not_run'})
         else:
-          report(i, run_case(code, job, case, devnull, max_fd, scratch))
+          started(i)
+          if job['mode'] == 'asserts':
+            result = run_asserts(job, devnull, max_fd, names)
+          else:
+            result = run_case(code, job, case, devnull, max_fd, scratch)
+          report(i, result)
+          failed = bool(job.get('stop_at_failure')) and result['status'] in FAILURES
   os.write(out, json.dumps({'done': len(job['cases'])}).encode('utf-8') + b'\n')
 
 
 if __name__ == '__main__':
-  main()
+  if sys.argv[1:2] == ['--serve']:
+    serve(int(sys.argv[2]), int(sys.argv[3]))
+  else:
+    main()

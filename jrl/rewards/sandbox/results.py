@@ -10,7 +10,16 @@ from typing import NamedTuple
 MiB = 1 << 20
 KiB = 1 << 10
 
-STATUSES = ('ok', 'error', 'timeout', 'memory', 'output_limit', 'killed', 'sandbox_error')
+STATUSES = (
+  'ok',
+  'error',
+  'timeout',
+  'stalled',
+  'memory',
+  'output_limit',
+  'killed',
+  'sandbox_error',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,14 +34,18 @@ class Limits:
   max_output_bytes: int = 64 * KiB  # stdout and stderr each; more kills the run
   max_open_files: int = 64  # RLIMIT_NOFILE
   max_disk_bytes: int = 16 * MiB  # size of the tmpfs workdir (mount namespace only)
+  # > 0: the run ends ('stalled') when stdout stays silent this long (enforced by
+  # the caller), e.g. a test driver that reports each case and was stopped
+  quiet_seconds: float = 0.0
 
 
 class RunResult(NamedTuple):
   """The outcome of one run.
 
   status: 'ok' (exit 0), 'error' (nonzero exit), 'timeout' (wall clock or
-    CPU limit), 'memory' (MemoryError, an OOM kill in the cgroup, the memory
-    watchdog, or killed near the memory limit), 'output_limit' (stdout or
+    CPU limit), 'stalled' (stdout silent for `quiet_seconds`), 'memory'
+    (MemoryError, an OOM kill in the cgroup, the memory watchdog, or killed
+    near the memory limit), 'output_limit' (stdout or
     stderr over `max_output_bytes`), 'killed' (a signal, e.g. SIGSEGV),
     'sandbox_error' (the sandbox failed; see stderr).
   returncode: the exit code, -signal if a signal ended the program, None when
@@ -48,7 +61,7 @@ class RunResult(NamedTuple):
 
 def classify(status, reason, launcher_rc, stdout, stderr, limits, wall, oom_kills=0):
   """The RunResult of a run, from the launcher's `status` pipe (JSON lines), the
-  caller's `reason` to stop it (None, 'timeout' or 'output_limit'), the
+  caller's `reason` to stop it (None, 'timeout', 'stalled' or 'output_limit'), the
   launcher's exit code, the decoded output and the cgroup's OOM kill count."""
   reports = []
   for line in status.decode('utf-8', errors='replace').splitlines():

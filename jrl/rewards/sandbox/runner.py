@@ -173,8 +173,9 @@ def result(status, reason, launcher_rc, out, err, limits, t0, oom_kills):
 def pump(fd_out, fd_err, status_r, inputs, limits, t0):
   """Feeds `inputs` ([(file object or fd, bytes)], each closed once written)
   and reads stdout, stderr and the status pipe until the status pipe closes,
-  the wall-clock limit passes, or an output cap is hit. Returns (stdout,
-  stderr, status, reason: None | 'timeout' | 'output_limit')."""
+  the wall-clock limit passes, stdout stays silent for `limits.quiet_seconds`
+  (when > 0), or an output cap is hit. Returns (stdout, stderr, status,
+  reason: None | 'timeout' | 'stalled' | 'output_limit')."""
   cap = int(limits.max_output_bytes)
   sel = selectors.DefaultSelector()
   bufs = {fd_out: bytearray(), fd_err: bytearray(), status_r: bytearray()}
@@ -191,16 +192,22 @@ def pump(fd_out, fd_err, status_r, inputs, limits, t0):
     else:
       _close(stream)
   deadline = t0 + float(limits.wall_seconds)
-  reason, done_at = None, None
+  quiet = float(limits.quiet_seconds)
+  reason, done_at, heard = None, None, t0
   try:
     while sel.get_map() and reason is None:
       now = time.monotonic()
       if now >= deadline:
         reason = 'timeout'
         break
+      if quiet > 0 and done_at is None and now - heard >= quiet:
+        reason = 'stalled'
+        break
       if done_at is not None and now - done_at > 0.5:
         break  # the launcher has exited; what still holds the pipes is killed below
       wait = deadline - now if done_at is None else min(deadline - now, 0.1)
+      if quiet > 0:
+        wait = max(0.0, min(wait, heard + quiet - now))
       for key, _ in sel.select(wait):
         fd = key.fd
         if fd in writers:
@@ -225,6 +232,8 @@ def pump(fd_out, fd_err, status_r, inputs, limits, t0):
           if fd == status_r:
             done_at = time.monotonic()
           continue
+        if fd == fd_out:
+          heard = time.monotonic()
         buf = bufs[fd]
         room = cap - len(buf) if fd != status_r else 65536 - len(buf)
         buf += chunk[: max(room, 0)]
