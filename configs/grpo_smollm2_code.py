@@ -13,8 +13,9 @@ that only continues the function is appended to the problem's signature
 (`code_prefix`). The reward is `code_tests` on the row's `test` and
 `entry_point`: the literal asserts become call-based cases judged outside
 the sandbox; the few problems whose asserts do not convert run their check
-inside the program (`reward.code.asserts='in_program'`, forgeable: see the
-README's sandbox section). Scored 'all' (1.0 only when every case passes),
+beside the program, in a process of its own that calls it
+(`reward.code.asserts='in_program'`: see the README's sandbox section).
+Scored 'all' (1.0 only when every case passes),
 as HumanEval's pass@k.
 
 Choices, for a CPU run: 8 steps of B = 4 problems x G = 8 samples (one

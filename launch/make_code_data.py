@@ -15,9 +15,9 @@ Each problem becomes a row of train.jsonl or eval.jsonl (a seeded split,
 `code_tests` reads `test` + `entry_point` as HumanEval rows
 (`reward.code.format='humaneval'`): the literal asserts become call-based
 cases judged outside the sandbox, and the problems whose asserts do not
-convert (7 of 164) run their check in the program with
-`reward.code.asserts='in_program'` (forgeable; see the README's sandbox
-section) or are refused at load time with `asserts='refuse'`.
+convert (7 of 164) run their check beside the program with
+`reward.code.asserts='in_program'` (see the README's sandbox section) or
+are refused at load time with `asserts='refuse'`.
 """
 
 import argparse

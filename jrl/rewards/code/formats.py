@@ -10,8 +10,9 @@ Kinds:
                after stripping trailing whitespace.
   CallTests    a function (or a class's method) called with arguments; the
                return value judged outside the sandbox (`compare.Expect`).
-  AssertTests  assert code run inside the program's process after it
-               (`reward.code.asserts='in_program'`, forgeable, see README.md).
+  AssertTests  assert code run beside the program, in a process of its own
+               that calls the program's names over pipes
+               (`reward.code.asserts='in_program'`, see sandbox/driver.py).
 
 Layouts (`FORMATS`), each read from the row's own fields:
   'stdin'          jrl's: tests = [{"input": str, "output": str}, ...]
@@ -276,7 +277,7 @@ def _asserts(row, converted, check, entry_point, prefix, fmt, asserts):
     return AssertTests(check, entry_point, prefix, fmt)
   raise ValueError(
     f'the {fmt} asserts do not convert to call-based tests ({"; ".join(converted.problems)}); '
-    "reward.code.asserts='in_program' runs them inside the program instead (forgeable)"
+    "reward.code.asserts='in_program' runs them beside the program instead"
   )
 
 
