@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from concurrent import futures
 
@@ -284,19 +285,33 @@ def score_programs(
 ):
   """The Verdict of each (source, tests, limits), at most `concurrency` at a
   time, none started after `budget_s` seconds from now; with `score='all'`
-  a program stops at its first failing case."""
+  a program stops at its first failing case. Each program, as it starts,
+  gets a share of the time left (times the concurrency, over the programs
+  not yet started): once one of its cases timed out it starts no case past
+  it, so slow programs never starve the others (`judge.run_tests`)."""
   if not sources:
     return []
   deadline = time.monotonic() + float(budget_s)
   concurrency = max(1, min(int(concurrency), len(sources)))
-  options = dict(
-    deadline=deadline, fresh_process_per_case=fresh_process_per_case, stop_at_failure=score == 'all'
-  )
+  waiting, lock = [len(sources)], threading.Lock()
+
+  def one(source, tests_, limits_):
+    with lock:
+      now = time.monotonic()
+      share = now + max(0.0, deadline - now) * concurrency / waiting[0]
+      waiting[0] -= 1
+    return run_tests(
+      source,
+      tests_,
+      limits=limits_,
+      deadline=deadline,
+      fresh_process_per_case=fresh_process_per_case,
+      stop_at_failure=score == 'all',
+      share=min(share, deadline),
+    )
+
   with futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
-    jobs = [
-      pool.submit(run_tests, s, t, limits=lim, **options)
-      for s, t, lim in zip(sources, tests, limits, strict=True)
-    ]
+    jobs = [pool.submit(one, *row) for row in zip(sources, tests, limits, strict=True)]
     return [job.result() for job in jobs]
 
 

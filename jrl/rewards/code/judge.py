@@ -25,9 +25,12 @@ and as it ends (sandbox/driver.py); a case that started and never ended,
 and every case after it, is 'lost' (a failure): the program stopped, killed
 or outlived its driver. A driver silent for longer than a case may take
 (`Limits.quiet_seconds`) ends the run at once ('stalled'), so a stopped
-driver costs its slot one case's time, not the budget. Only cases that
-never started because the call's budget ran out (other programs used the
-time) are 'not_run'.
+driver costs its slot one case's time, not the budget. A program whose
+case timed out starts no case past its `share` of the call's budget (what
+is left, times the concurrency, over the programs not yet started), so
+looping programs never starve the others; its unrun cases count as failed.
+Only cases that never started because the call's budget ran out (other
+programs used the time) leave a program unscored.
 """
 
 import dataclasses
@@ -129,7 +132,14 @@ def _lines(stdout, n):
 
 
 def run_tests(
-  source, tests, *, limits=None, deadline=None, fresh_process_per_case=False, stop_at_failure=False
+  source,
+  tests,
+  *,
+  limits=None,
+  deadline=None,
+  fresh_process_per_case=False,
+  stop_at_failure=False,
+  share=None,
 ):
   """The Verdict of `source` on `tests` (formats.StdinTests | CallTests |
   AssertTests), every case under `limits` (default `Limits()`), none started
@@ -137,6 +147,8 @@ def run_tests(
   one after another in one process (a fresh one after a case that timed out
   or crashed), or each in a fresh process with `fresh_process_per_case`.
   `stop_at_failure`: no case runs after one that failed in the driver.
+  `share` (time.monotonic(), before `deadline`): once a case timed out, no
+  case starts after it (the program's share of a call's budget).
   Raises RuntimeError when the sandbox itself fails (the program is then
   unscored)."""
   limits = Limits() if limits is None else limits
@@ -151,6 +163,8 @@ def run_tests(
   # The driver starts no case it could not end (and report) before the run's
   # wall: a started case without an end is then never the budget's doing.
   job = _job(tests, case_wall, run_wall - slack, limits, fresh_process_per_case, stop_at_failure)
+  if share is not None:
+    job['share_s'] = max(0.0, min(run_wall, share - time.monotonic()) - slack)
   run_limits = dataclasses.replace(
     limits,
     wall_seconds=run_wall,

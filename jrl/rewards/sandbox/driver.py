@@ -12,7 +12,7 @@ Its job arrives on stdin, one JSON document; it holds the cases' INPUTS only
      "cases": [{"args": <tagged>, "kwargs": <tagged>} | {"stdin": "..."}],
      "check": "<test code>", "entry": "candidate",  # asserts mode
      "fresh_process_per_case": false,               # call mode
-     "case_wall_s": 2.0, "case_cpu_s": 2, "deadline_s": 18.0,
+     "case_wall_s": 2.0, "case_cpu_s": 2, "deadline_s": 18.0, "share_s": 6.0,
      "max_output_bytes": 65536}
 
 The driver never runs the program's code itself: it forks children from its
@@ -41,7 +41,9 @@ writes {"ok": true} when `check(candidate)` returns; a value report is
 never a pass in asserts mode, nor an "ok" in call mode.
 
 A case after the first that would start with less than `case_wall_s` left
-before `deadline_s` is not started ('not_run'); the first always starts
+before `deadline_s`, or, once one of the program's cases timed out, before
+`share_s` (its share of the caller's budget), is not started ('not_run');
+the first always starts
 (the caller gave the run time for one case beyond the driver's start, which
 a loaded machine can slow past the slack). With "stop_at_failure": true
 (the caller scores 'all'), the cases after one that failed here (an error,
@@ -567,13 +569,13 @@ def _read_line(fd, buf, wall_s, cap):
 FAILURES = ('error', 'timeout', 'crash', 'output_limit', 'bad_return')
 
 
-def run_calls(code, job, devnull, max_fd, deadline, report, started):
+def run_calls(code, job, devnull, max_fd, cutoff, report, started):
   """Call-mode cases: one child runs them one after another (each call on a
   fresh instance, for a class), each under its own wall limit; a case that
   times out, crashes or exceeds the output cap ends that child, and a fresh
   one runs the cases after it. `job['fresh_process_per_case']`: a child per
   case. Cases after the first that would start with less than their limit
-  left before `deadline` are 'not_run'; with `job['stop_at_failure']`, the
+  left before `cutoff()` are 'not_run'; with `job['stop_at_failure']`, the
   cases after one that failed here (an error, a timeout, ...) are
   'skipped'."""
   cases = job['cases']
@@ -591,7 +593,7 @@ def run_calls(code, job, devnull, max_fd, deadline, report, started):
       report(i, {'status': 'skipped'})
       i += 1
       continue
-    if i and time.monotonic() + wall_s > deadline:
+    if i and time.monotonic() + wall_s > cutoff():
       report(i, {'status': 'not_run'})
       i += 1
       continue
@@ -620,7 +622,7 @@ def run_calls(code, job, devnull, max_fd, deadline, report, started):
           break
         ended(i, _result(job, line, wall))
         i += 1
-        if failed or (i < end and time.monotonic() + wall_s > deadline):
+        if failed or (i < end and time.monotonic() + wall_s > cutoff()):
           break  # the rest are skipped, or not run
     finally:
       os.close(r)
@@ -642,10 +644,20 @@ def main():
   job = json.loads(raw.decode('utf-8'))
   _nondumpable()
   max_fd = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096)
-  deadline = time.monotonic() + float(job['deadline_s'])
+  t0 = time.monotonic()
+  deadline = t0 + float(job['deadline_s'])
+  # Once one of its cases timed out, the program starts no case past its
+  # share of the caller's budget (`share_s`): a slow program is cut there.
+  share = t0 + float(job.get('share_s', job['deadline_s']))
+  slow = []
+
+  def cutoff():
+    return min(deadline, share) if slow else deadline
 
   def report(i, result):
     result['case'] = i
+    if result.get('status') == 'timeout':
+      slow.append(i)
     os.write(out, json.dumps(result).encode('utf-8') + b'\n')
 
   def started(i):  # the caller tells a case that never ended from one never started
@@ -664,13 +676,13 @@ def main():
   else:
     scratch = os.path.join(os.getcwd(), '.case_input')
     if job['mode'] == 'call':
-      run_calls(code, job, devnull, max_fd, deadline, report, started)
+      run_calls(code, job, devnull, max_fd, cutoff, report, started)
     else:
       failed = False
       for i, case in enumerate(job['cases']):
         if failed:
           report(i, {'status': 'skipped'})
-        elif i and time.monotonic() + float(job['case_wall_s']) > deadline:
+        elif i and time.monotonic() + float(job['case_wall_s']) > cutoff():
           report(i, {'status': 'not_run'})
         else:
           started(i)
