@@ -126,11 +126,12 @@ CHATML = (
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 
 
-def write_tiny_chat_model(path, family='qwen2'):
+def write_tiny_chat_model(path, family='qwen2', max_positions=None):
   """A character-level tokenizer with ChatML and a random 2-layer model in `path`.
 
   family: 'qwen2' (Qwen2, 4 query / 2 key-value heads) or 'llama' (SmolLM2's
   layout: Llama, tied embeddings, 3 query heads per key-value head, rope θ 1e5).
+  max_positions: the config's max_position_embeddings (default 128 / 512).
   """
   import string
 
@@ -172,7 +173,7 @@ def write_tiny_chat_model(path, family='qwen2'):
       intermediate_size=64,
       num_attention_heads=4,
       num_key_value_heads=2,
-      max_position_embeddings=128,
+      max_position_embeddings=max_positions or 128,
       **common,
     )
     transformers.Qwen2ForCausalLM(hf_config).save_pretrained(path)
@@ -182,7 +183,7 @@ def write_tiny_chat_model(path, family='qwen2'):
       intermediate_size=128,
       num_attention_heads=3,
       num_key_value_heads=1,
-      max_position_embeddings=512,
+      max_position_embeddings=max_positions or 512,
       rope_theta=100000.0,
       rms_norm_eps=1e-5,
       **common,

@@ -14,6 +14,7 @@ sometimes calls the calculator and can learn that calling it pays.
 
 import numpy as np
 
+from jrl.envs import chat
 from jrl.envs.tools import ToolEnv, calculator
 
 
@@ -52,3 +53,40 @@ def exact_answer(answer, example):
 def make_env(tokenizer):
   """A fresh environment for one episode of the arithmetic tool task."""
   return ToolEnv(tokenizer, tools={'calc': calculator}, answer_fn=exact_answer)
+
+
+def calculate(expression: str) -> str:
+  """Evaluates an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+  Args:
+    expression: the expression, e.g. 47*8+13.
+  """
+  return calculator(expression)
+
+
+def make_chat_env(tokenizer):
+  """The arithmetic task in the checkpoint's own chat format: the question as
+  a user message, the calculator declared as a tool (`calculate`), calls in
+  the template's format (`jrl.envs.chat`), the final answer scored by exact
+  match (`agent.env = 'jrl.envs.arith:make_chat_env'`)."""
+  return chat.ChatToolEnv(
+    tokenizer,
+    [calculate],
+    answer_fn=lambda text, example: exact_answer(text.strip(), example),
+    system='Answer with the number only. Use the calculate tool for arithmetic.',
+  )
+
+
+def chat_demonstration(example, use_tool, env):
+  """A correct episode in the chat format, as token segments: the call and
+  the answer by the model, the tool's message by the environment."""
+  segments = []
+  if use_tool:
+    args = {'expression': example['expression']}
+    turn = env.model_turn(chat.call_text(env.conversation.family, 'calculate', args))
+    segments += [(turn, True), (env.step(turn).tokens, False)]
+  segments.append((env.model_turn(example['answer']), True))
+  return segments
+
+
+make_chat_env.demonstration = chat_demonstration

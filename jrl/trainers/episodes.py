@@ -183,22 +183,31 @@ def episode_metrics(episodes, rewards):
 
 def demonstration_batch(config, tokenizer, stop_tokens, seq_len, examples, iteration):
   """SFT rows of tool-use demonstrations (`agent.sft_tool_frac` of them call
-  the tool); the loss mask covers the model's segments and the eos only."""
+  the tool) after the environment's own prompt (`env.reset`); the loss mask
+  covers the model's segments and the eos only. A demonstration gives
+  [(text or token ids, by_model)]; one that takes an `env` argument gets the
+  episode's environment, reset on the example (a chat environment builds
+  its segments through its conversation)."""
   ac = config.agent
   rng = np.random.default_rng(seed(config.seed, iteration, 'demo'))
-  demonstration = environment(ac.env).demonstration
+  spec = environment(ac.env)
+  takes_env = 'env' in inspect.signature(spec.demonstration).parameters
   eos = list(stop_tokens[:1])
   prompts, responses, masks = [], [], []
   for ex in examples:
-    segments = demonstration(ex, use_tool=bool(rng.random() < ac.sft_tool_frac))
+    env = spec.make_env(tokenizer)
+    prompts.append(list(env.reset(ex)))  # the environment's own prompt (a chat template's)
+    use_tool = bool(rng.random() < ac.sft_tool_frac)
+    extra = {'env': env} if takes_env else {}
     ids, model = [], []
-    for text, by_model in segments:
-      seg = tokenizer.encode(text)
+    for piece, by_model in spec.demonstration(ex, use_tool=use_tool, **extra):
+      seg = list(piece) if isinstance(piece, list | tuple) else tokenizer.encode(piece)
       ids += seg
       model += [by_model] * len(seg)
-    prompts.append(tokenizer.encode(ex['prompt']))
-    responses.append(ids + eos)
-    masks.append(model + [True])
+    if not ids or ids[-1] not in stop_tokens:  # a chat turn already ends with its end token
+      ids, model = ids + eos, model + [True]
+    responses.append(ids)
+    masks.append(model)
   batch = common.pack_sequences(prompts, responses, seq_len, tokenizer.pad_id)
   loss_mask = np.zeros_like(batch.loss_mask)
   for row, (p, mk) in enumerate(zip(prompts, masks, strict=True)):
@@ -282,8 +291,8 @@ class EpisodeWorker:
 
     def on_turn_end(i, g, tokens):
       ep = episodes[i][g]
-      if int(tokens[-1]) in stops:
-        return 'stop'  # the model ended its answer
+      if int(tokens[-1]) in stops and int(tokens[-1]) not in self.turn_stops:
+        return 'stop'  # the model ended its answer (a chat turn's end: the environment says)
       ep.turns += 1
       if ep.turns > ac.max_turns:
         ep.reason = 'max_turns'

@@ -1,0 +1,99 @@
+"""The agent trainer on an environment in the checkpoint's chat format
+(`agent.env = 'jrl.envs.arith:make_chat_env'`, `jrl.envs.chat`).
+
+A tiny chat checkpoint (ChatML, no tools branch: the calculator is declared
+in the system prompt): the SFT warm-up's rows are the chat episodes the
+conversation renders (the model's call and answer as targets, the tool's
+message as context), and after the warm-up the sampler's episodes end at
+the model's own turn end, where the environment decides (a call gets the
+tool's message; an answer ends the episode with its reward), never by
+the end-of-turn token taken as end-of-sequence.
+"""
+
+import numpy as np
+import pytest
+
+from configs import agent_arith
+from jrl import trainers
+from jrl.envs import arith
+from jrl.trainers import controller, episodes
+from tests.helpers import set_fields, write_tiny_chat_model
+
+
+@pytest.fixture(scope='module')
+def job(tmp_path_factory):
+  root = tmp_path_factory.mktemp('chat_agent')
+  model_dir = str(root / 'model')
+  write_tiny_chat_model(model_dir, family='qwen2', max_positions=1024)
+  config = set_fields(
+    agent_arith.get_config(),
+    {
+      'workdir': str(root / 'run'),
+      'model.path': model_dir,
+      'tokenizer': '',  # the checkpoint's, with its chat template
+      'agent.env': 'jrl.envs.arith:make_chat_env',
+      'agent.sft_tool_frac': 1.0,
+      'task.max_prompt_len': 640,  # characters: the system prompt declares the tool
+      'task.max_response_len': 120,
+      'task.eval_size': 4,
+      'sft.steps': 0,  # demonstration_batch is tested directly
+      'sft.batch_size': 8,
+      'sft.lr': 3e-3,
+      'rl.steps': 1,
+      'rl.prompts_per_step': 4,
+      'rl.group_size': 2,
+      'rl.minibatch_size': 8,
+      'sampler.num_slots': 8,
+      'eval.every': 0,
+      'log.plot': False,
+      'log.tensorboard': False,
+    },
+  )
+  job = trainers.build(config)
+  state = controller.train(job)  # the warm-up and one RL step, end to end
+  yield config, job, state
+  controller.close(job)
+
+
+def test_demonstrations_are_chat_episodes_with_the_tool_message_as_context(job):
+  config, job_, _ = job
+  worker = job_.topology.worker
+  tok = worker.tokenizer
+  examples = worker.held_out[:2]
+  batch = episodes.demonstration_batch(config, tok, worker.stop_tokens, 1024, examples, 0)
+  for row, ex in enumerate(examples):
+    tokens, mask = np.asarray(batch.tokens[row]), np.asarray(batch.mask[row]).astype(bool)
+    loss = np.asarray(batch.loss_mask[row]).astype(bool)
+    text = tok.decode(tokens[mask].tolist())
+    env = arith.make_chat_env(tok)
+    assert text.startswith(tok.decode(env.reset(ex)))  # the conversation's own prompt
+    assert '<tool_call>' in text and '<tool_response>' in text, text
+    targets = tok.decode(tokens[loss].tolist())
+    context = tok.decode(tokens[mask & ~loss].tolist())
+    assert '"name": "calculate"' in targets and ex['answer'] in targets
+    assert '<tool_response>' in context and '<tool_response>' not in targets
+    # The rows equal a full render of the episode's conversation.
+    conv = env.conversation
+    call = arith.chat.call_text(conv.family, 'calculate', {'expression': ex['expression']})
+    turn = env.model_turn(call)
+    env.step(turn)
+    env.step(env.model_turn(ex['answer']))
+    assert tokens[mask].tolist() == conv.ids
+    assert conv.stats['exact'] == 1
+
+
+def test_the_environment_decides_at_the_models_turn_end(job):
+  _, job_, state = job
+  worker = job_.topology.worker
+  end = worker.turn_stops[0]
+  assert end in worker.stop_tokens  # <|im_end|> ends the turn and is an end of sequence
+  _, results = worker.run_episodes(
+    state.params, worker.held_out[:2], group_size=2, greedy=True, iteration=1, version=1
+  )
+  reasons = [ep.reason for row in results for _, ep in row]
+  assert 'stop' not in reasons, reasons  # the end token went to the environment
+  assert set(reasons) <= {'done', 'length', 'max_turns'}, reasons
+  for row in results:
+    for completion, ep in row:
+      if ep.reason == 'done':
+        assert int(completion.tokens[-1]) == end
