@@ -410,7 +410,12 @@ def reward_section():
   s = ml_collections.ConfigDict()
   s.functions = ('exact_match',)  # names in jrl.rewards.REGISTRY
   s.weights = ()  # one per function; () = all 1.0
-  s.unscored_value = 0.0  # reward for "could not score" (and for failures, timeouts)
+  # A completion that a reward function could not score (None, a failure, a
+  # timeout, no remote total): 'drop' leaves it out of the loss and of its
+  # group's advantage statistics (unscored is not wrong); 'value' trains it
+  # with `unscored_value` in its total, as if that were its score.
+  s.unscored = 'drop'
+  s.unscored_value = 0.0  # with unscored='value': the reward for "could not score"
   s.mode = 'process'  # 'process' (CPU-bound) | 'thread' (I/O-bound) | 'inline'
   s.workers = 2  # worker processes or threads
   s.timeout_s = 30.0  # per chunk of completions; late chunks count as timeouts

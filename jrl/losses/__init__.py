@@ -33,6 +33,7 @@ from jrl.losses.advantages import (
   reinforce_pp_baseline_advantages,
   rloo_advantages,
   token_level_rewards,
+  valid_token_mask,
   whiten,
 )
 from jrl.losses.kl import (

@@ -13,6 +13,15 @@ Shared behaviour, whatever the convention:
   divided by ε = 1e-6 is ~0.01); jrl returns the exact value.
 * Batch statistics (TRL's `scale_rewards="batch"`, REINFORCE++ whitening) are
   taken over the global batch when `axis_name` names the mapped data axis.
+* `valid: [B] bool` (optional, default all rows) leaves rows out: their
+  reward is never read (it may be NaN), their advantage is 0, and every
+  statistic (group mean and std, leave-one-out baselines, batch std,
+  whitening) is taken over the valid rows only, so the other rows get what
+  they would get if the left-out rows were absent from the batch. A group
+  left with one valid row has no baseline: 0 (as 'zero' does for a group of
+  one). The trainer passes the completions whose reward could not be
+  computed as invalid (`reward.unscored='drop'`); the frameworks have no
+  such argument (they train on a substituted score).
 """
 
 import jax
@@ -53,9 +62,21 @@ def _grouped(rewards, group_size, name='rewards'):
   return as_f32(rewards).reshape(-1, group_size)
 
 
-def _equal_in_group(r_NxG):
-  """[N] bool: every reward of the group is the same value."""
-  return jnp.max(r_NxG, axis=-1) == jnp.min(r_NxG, axis=-1)
+def _grouped_valid(valid, rewards, group_size):
+  """[N, G] bool: `valid` [B] (None: every row) in the groups of `_grouped`."""
+  if valid is None:
+    return jnp.ones((rewards.shape[0] // group_size, group_size), bool)
+  check_rank(valid, 1, 'valid', '[B]')
+  check_same_shape('rewards', rewards, valid=valid)
+  return jnp.asarray(valid, bool).reshape(-1, group_size)
+
+
+def _equal_in_group(r_NxG, valid_NxG):
+  """[N] bool: every valid reward of the group is the same value (also true
+  for a group of at most one valid reward: it has no spread)."""
+  most = jnp.max(jnp.where(valid_NxG, r_NxG, -jnp.inf), axis=-1)
+  least = jnp.min(jnp.where(valid_NxG, r_NxG, jnp.inf), axis=-1)
+  return (most == least) | (jnp.sum(valid_NxG, axis=-1) <= 1)
 
 
 def broadcast_to_tokens(adv, mask):
@@ -75,6 +96,27 @@ def broadcast_to_tokens(adv, mask):
   return as_f32(adv)[:, None] * as_f32(mask)
 
 
+def valid_token_mask(mask, valid):
+  """`mask` with the rows that `valid` leaves out zeroed.
+
+  Args:
+    mask: [B, T] 0/1 response mask.
+    valid: [B] bool rows that count, or None (every row).
+
+  Returns:
+    [B, T] bool (`mask` itself when `valid` is None).
+  """
+  if valid is None:
+    return mask
+  check_rank(mask, 2, 'mask', '[B, T]')
+  check_rank(valid, 1, 'valid', '[B]')
+  if mask.shape[0] != valid.shape[0]:
+    raise ValueError(
+      f'`mask` must have B={valid.shape[0]} rows to match `valid`, got {mask.shape}.'
+    )
+  return jnp.asarray(mask, bool) & jnp.asarray(valid, bool)[:, None]
+
+
 def grpo_advantages(
   rewards,
   group_size,
@@ -83,6 +125,7 @@ def grpo_advantages(
   std='unbiased',
   eps=1e-6,
   singleton='zero',
+  valid=None,
   axis_name=None,
 ):
   """Group-relative advantages (GRPO, Shao et al. 2024, "DeepSeekMath").
@@ -104,6 +147,9 @@ def grpo_advantages(
   ε is added to σ, not to the variance. Framework values: veRL 1e-6, TRL 1e-4,
   OpenRLHF 1e-9 (see `jrl.losses.presets`).
 
+  With `valid`, mean_g, σ and G are over the group's valid rows (the batch
+  std over the batch's valid rows); invalid rows get 0.
+
   Zero-variance groups get exactly 0. A group of one sample (group_size=1)
   has no group baseline; `singleton` picks the convention:
   * 'zero': advantage 0, the sample is its own baseline (TRL, which sets
@@ -118,17 +164,21 @@ def grpo_advantages(
     scale: 'group' | 'batch' | 'none'.
     std: 'unbiased' | 'biased'.
     eps: ε ≥ 0 added to the std.
-    singleton: 'zero' | 'raw' | 'error', used only when group_size == 1.
+    singleton: 'zero' | 'raw' | 'error', used only when group_size == 1
+      (a larger group left with one valid row gets 0 whatever `singleton`).
+    valid: optional [B] bool, the rows that count (default: all).
     axis_name: mapped axis for the batch std of scale='batch'.
 
   Returns:
-    [B] float32 advantages.
+    [B] float32 advantages, 0 on invalid rows.
   """
   check_choice(scale, 'scale', SCALE_MODES)
   check_choice(std, 'std', STD_MODES)
   check_choice(singleton, 'singleton', SINGLETON_MODES)
   check_positive(eps, 'eps', allow_zero=True)
   r_NxG = _grouped(rewards, group_size)
+  valid_NxG = _grouped_valid(valid, rewards, group_size)
+  r_NxG = jnp.where(valid_NxG, r_NxG, 0.0)  # an invalid row's reward is never read
 
   if group_size == 1:
     if singleton == 'error':
@@ -139,26 +189,31 @@ def grpo_advantages(
     if singleton == 'zero':
       return jnp.zeros_like(r_NxG[:, 0])
     r_B = r_NxG[:, 0]
-    return r_B if scale == 'none' else r_B / (1.0 + eps)
+    r_B = r_B if scale == 'none' else r_B / (1.0 + eps)
+    return jnp.where(valid_NxG[:, 0], r_B, 0.0)
 
   ddof = 1 if std == 'unbiased' else 0
-  tied_Nx1 = _equal_in_group(r_NxG)[:, None]
-  centred_NxG = r_NxG - jnp.mean(r_NxG, axis=-1, keepdims=True)
+  tied_Nx1 = _equal_in_group(r_NxG, valid_NxG)[:, None]
+  n_Nx1 = jnp.sum(valid_NxG, axis=-1, keepdims=True).astype(jnp.float32)
+  mean_Nx1 = jnp.sum(r_NxG, axis=-1, keepdims=True) / jnp.maximum(n_Nx1, 1.0)
+  centred_NxG = jnp.where(valid_NxG, r_NxG - mean_Nx1, 0.0)
   if scale == 'group':
-    var_Nx1 = jnp.sum(centred_NxG**2, axis=-1, keepdims=True) / (group_size - ddof)
+    var_Nx1 = jnp.sum(centred_NxG**2, axis=-1, keepdims=True) / jnp.maximum(n_Nx1 - ddof, 1.0)
     denom_Nx1 = _safe_sqrt(var_Nx1) + eps
   elif scale == 'batch':
-    denom_Nx1 = batch_std(r_NxG.reshape(-1), ddof=ddof, axis_name=axis_name) + eps
+    flat_valid = valid_NxG.reshape(-1)
+    denom_Nx1 = batch_std(r_NxG.reshape(-1), ddof=ddof, mask=flat_valid, axis_name=axis_name) + eps
   else:
     denom_Nx1 = jnp.float32(1.0)
-  # Tied groups select 0; their denominator is set to 1 so that neither the
-  # value nor the gradient of the unselected branch is 0/0.
-  denom_NxG = jnp.where(tied_Nx1 | (denom_Nx1 == 0), 1.0, denom_Nx1)
-  adv_NxG = jnp.where(tied_Nx1, 0.0, centred_NxG / denom_NxG)
+  # Tied groups (and invalid rows) select 0; their denominator is set to 1 so
+  # that neither the value nor the gradient of the unselected branch is 0/0.
+  zero_NxG = tied_Nx1 | ~valid_NxG
+  denom_NxG = jnp.where(zero_NxG | (denom_Nx1 == 0), 1.0, denom_Nx1)
+  adv_NxG = jnp.where(zero_NxG, 0.0, centred_NxG / denom_NxG)
   return adv_NxG.reshape(-1)
 
 
-def dr_grpo_advantages(rewards, group_size):
+def dr_grpo_advantages(rewards, group_size, *, valid=None):
   """Dr. GRPO advantages (Liu et al. 2025): A_i = r_i − mean_g(r), no std.
 
   Same as `grpo_advantages(rewards, group_size, scale='none')`; pair it
@@ -167,35 +222,43 @@ def dr_grpo_advantages(rewards, group_size):
 
   Args:
     rewards: [B]; group_size: G dividing B.
+    valid: optional [B] bool, the rows that count (see the module docstring).
 
   Returns:
-    [B] float32.
+    [B] float32, 0 on invalid rows.
   """
-  return grpo_advantages(rewards, group_size, scale='none')
+  return grpo_advantages(rewards, group_size, scale='none', valid=valid)
 
 
-def rloo_advantages(rewards, group_size):
+def rloo_advantages(rewards, group_size, *, valid=None):
   """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024).
 
     A_i = r_i − 1/(G−1) Σ_{j≠i} r_j  =  G/(G−1) · (r_i − mean_g(r))
 
   No std scaling. This is OpenRLHF's `rloo` and TRL's RLOOTrainer baseline.
+  With `valid`, G and the j ≠ i are the group's valid rows.
 
   Args:
     rewards: [B]; group_size: G ≥ 2 dividing B.
+    valid: optional [B] bool, the rows that count (see the module docstring).
 
   Returns:
-    [B] float32.
+    [B] float32, 0 on invalid rows.
   """
   r_NxG = _grouped(rewards, group_size)
+  valid_NxG = _grouped_valid(valid, rewards, group_size)
+  r_NxG = jnp.where(valid_NxG, r_NxG, 0.0)  # an invalid row's reward is never read
   if group_size < 2:
     raise ValueError(f'`group_size` must be >= 2 for a leave-one-out baseline, got {group_size}.')
-  loo_NxG = (jnp.sum(r_NxG, axis=-1, keepdims=True) - r_NxG) / (group_size - 1)
-  adv_NxG = jnp.where(_equal_in_group(r_NxG)[:, None], 0.0, r_NxG - loo_NxG)
+  n_Nx1 = jnp.sum(valid_NxG, axis=-1, keepdims=True).astype(jnp.float32)
+  total_Nx1 = jnp.sum(r_NxG, axis=-1, keepdims=True)
+  loo_NxG = (total_Nx1 - r_NxG) / jnp.maximum(n_Nx1 - 1.0, 1.0)
+  zero_NxG = _equal_in_group(r_NxG, valid_NxG)[:, None] | ~valid_NxG
+  adv_NxG = jnp.where(zero_NxG, 0.0, r_NxG - loo_NxG)
   return adv_NxG.reshape(-1)
 
 
-def loo_advantages(rewards, group_size, *, normalize=True, eps=1e-6):
+def loo_advantages(rewards, group_size, *, normalize=True, eps=1e-6, valid=None):
   """Leave-one-out baseline with an optional leave-one-out std (NeMo-RL's GRPO).
 
     b_i = 1/(G−1) Σ_{j≠i} r_j,    A_i = r_i − b_i
@@ -210,38 +273,46 @@ def loo_advantages(rewards, group_size, *, normalize=True, eps=1e-6):
   statistics in two passes and tests "the siblings agree" exactly; a
   one-pass variance (E[r²] − b², NeMo-RL's form) can turn a zero spread
   into float noise and divide by it. A group of one sample gets 0
-  (NeMo-RL sets the baseline to the reward itself).
+  (NeMo-RL sets the baseline to the reward itself). With `valid` the
+  siblings are the valid j ≠ i (G − 1 becomes their count; the std needs
+  two of them).
 
   Args:
     rewards: [B]; group_size: G dividing B.
     normalize: divide by the leave-one-out std.
     eps: ε ≥ 0 added to σ_i.
+    valid: optional [B] bool, the rows that count (see the module docstring).
 
   Returns:
-    [B] float32.
+    [B] float32, 0 on invalid rows.
   """
   r_NxG = _grouped(rewards, group_size)
+  valid_NxG = _grouped_valid(valid, rewards, group_size)
+  r_NxG = jnp.where(valid_NxG, r_NxG, 0.0)  # an invalid row's reward is never read
   check_positive(eps, 'eps', allow_zero=True)
   g = group_size
   if g == 1:
     return jnp.zeros_like(r_NxG[:, 0])
-  # Siblings of i are the j ≠ i: an explicit [N, G, G] layout (G is small)
-  # so that every statistic is a two-pass sum over the siblings themselves.
-  sib_GxG = ~jnp.eye(g, dtype=bool)
+  # Siblings of i are the valid j ≠ i: an explicit [N, G, G] layout (G is
+  # small) so that every statistic is a two-pass sum over the siblings themselves.
+  sib_NxGxG = ~jnp.eye(g, dtype=bool) & valid_NxG[:, None, :]
+  n_sib_NxG = jnp.sum(sib_NxGxG, axis=-1).astype(jnp.float32)
   r_NxGxG = jnp.broadcast_to(r_NxG[:, None, :], (r_NxG.shape[0], g, g))
-  sib_max_NxG = jnp.max(jnp.where(sib_GxG, r_NxGxG, -jnp.inf), axis=-1)
-  sib_min_NxG = jnp.min(jnp.where(sib_GxG, r_NxGxG, jnp.inf), axis=-1)
+  sib_max_NxG = jnp.max(jnp.where(sib_NxGxG, r_NxGxG, -jnp.inf), axis=-1)
+  sib_min_NxG = jnp.min(jnp.where(sib_NxGxG, r_NxGxG, jnp.inf), axis=-1)
   agree_NxG = sib_max_NxG == sib_min_NxG
-  sib_mean_NxG = jnp.sum(jnp.where(sib_GxG, r_NxGxG, 0.0), axis=-1) / (g - 1)
+  sib_sum_NxG = jnp.sum(jnp.where(sib_NxGxG, r_NxGxG, 0.0), axis=-1)
+  sib_mean_NxG = sib_sum_NxG / jnp.maximum(n_sib_NxG, 1.0)
   # When the siblings agree their mean is their common value, exactly.
   loo_mean_NxG = jnp.where(agree_NxG, sib_max_NxG, sib_mean_NxG)
   adv_NxG = r_NxG - loo_mean_NxG
   if normalize and g > 2:
-    dev_NxGxG = jnp.where(sib_GxG, r_NxGxG - loo_mean_NxG[..., None], 0.0)
-    sigma_NxG = _safe_sqrt(jnp.sum(dev_NxGxG**2, axis=-1) / (g - 2))
-    scaled_NxG = ~agree_NxG & (sigma_NxG > 0)
+    dev_NxGxG = jnp.where(sib_NxGxG, r_NxGxG - loo_mean_NxG[..., None], 0.0)
+    sigma_NxG = _safe_sqrt(jnp.sum(dev_NxGxG**2, axis=-1) / jnp.maximum(n_sib_NxG - 1.0, 1.0))
+    scaled_NxG = ~agree_NxG & (sigma_NxG > 0) & (n_sib_NxG >= 2)
     adv_NxG = jnp.where(scaled_NxG, adv_NxG / jnp.where(scaled_NxG, sigma_NxG + eps, 1.0), adv_NxG)
-  adv_NxG = jnp.where(_equal_in_group(r_NxG)[:, None], 0.0, adv_NxG)
+  zero_NxG = _equal_in_group(r_NxG, valid_NxG)[:, None] | ~valid_NxG
+  adv_NxG = jnp.where(zero_NxG, 0.0, adv_NxG)
   return adv_NxG.reshape(-1)
 
 
@@ -410,6 +481,7 @@ def reinforce_pp_baseline_advantages(
   ddof=1,
   eps=1e-8,
   eps_mode='var',
+  valid=None,
   axis_name=None,
 ):
   """REINFORCE++-baseline: group-mean baseline, then batch whitening.
@@ -425,12 +497,15 @@ def reinforce_pp_baseline_advantages(
     rewards: [B] outcome rewards; mask: [B, T] 0/1; group_size: G dividing B.
     kl: optional [B, T] per-token KL; kl_coef: β.
     gamma: γ. ddof, eps, eps_mode: see `whiten`.
+    valid: optional [B] bool, the rows that count: the group means and the
+      whitening are over the valid rows (see the module docstring).
     axis_name: for the global whitening statistics.
 
   Returns:
-    [B, T] float32.
+    [B, T] float32, 0 on invalid rows.
   """
-  centred = grpo_advantages(rewards, group_size, scale='none', singleton='zero')
+  centred = grpo_advantages(rewards, group_size, scale='none', singleton='zero', valid=valid)
+  mask = valid_token_mask(mask, valid)
   token_rewards = token_level_rewards(centred, mask, kl=kl, kl_coef=kl_coef)
   return reinforce_pp_advantages(
     token_rewards, mask, gamma=gamma, ddof=ddof, eps=eps, eps_mode=eps_mode, axis_name=axis_name

@@ -12,10 +12,10 @@ argument a config field (see `jrl/losses/README.md`).
 | `POLICY_LOSSES`        | f(logp, old_logp, advantages, mask, *, ..., axis_name)  |
 |                        | -> (loss [B, T], metrics); all of `jrl.losses.policy`   |
 | `ADVANTAGE_ESTIMATORS` | outcome (`OUTCOME_ADVANTAGES`):                         |
-|                        | f(rewards [B], group_size, *, ...) -> [B];              |
+|                        | f(rewards [B], group_size, *, valid, ...) -> [B];       |
 |                        | returns (`RETURN_ADVANTAGES`):                          |
-|                        | f(rewards [B], mask [B, T], group_size, *, kl, ...)     |
-|                        | -> [B, T]                                               |
+|                        | f(rewards [B], mask [B, T], group_size, *, kl, valid,   |
+|                        | ...) -> [B, T]                                          |
 | `KL_ESTIMATORS`        | the `estimator` of `kl_penalty` (dispatched there)      |
 | `AGGREGATION_MODES`    | the `mode` of `aggregate` (dispatched there)            |
 
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jrl.losses import advantages as adv_lib
 from jrl.losses import kl as kl_lib
 from jrl.losses import policy, reductions
-from jrl.losses._checks import check_choice
+from jrl.losses._checks import check_choice, check_same_shape
 
 # Policy losses -----------------------------------------------------------------
 
@@ -69,19 +69,27 @@ POLICY_LOSS_ARGS: dict[str, tuple[str, ...]] = {
 # Advantage estimators ------------------------------------------------------------
 
 
-def _reinforce_pp(rewards, mask, group_size, *, kl=None, kl_coef=0.0, gamma=1.0, axis_name=None):
+def _reinforce_pp(
+  rewards, mask, group_size, *, kl=None, kl_coef=0.0, gamma=1.0, valid=None, axis_name=None
+):
   """REINFORCE++ from outcome rewards: `token_level_rewards`, then
   `reinforce_pp_advantages`. No baseline, so `group_size` is unused.
 
   Args:
     rewards: [B]; mask: [B, T] 0/1; group_size: unused.
     kl: optional [B, T] per-token KL; kl_coef: β.  gamma: γ.
+    valid: optional [B] bool rows that count: the whitening is over their
+      tokens, the others get 0.
     axis_name: for the global whitening statistics.
 
   Returns:
     [B, T] float32.
   """
   del group_size
+  if valid is not None:
+    check_same_shape('rewards', rewards, valid=valid)
+    mask = adv_lib.valid_token_mask(mask, valid)
+    rewards = jnp.where(jnp.asarray(valid, bool), jnp.asarray(rewards, jnp.float32), 0.0)
   token_rewards = adv_lib.token_level_rewards(rewards, mask, kl=kl, kl_coef=kl_coef)
   return adv_lib.reinforce_pp_advantages(token_rewards, mask, gamma=gamma, axis_name=axis_name)
 
@@ -191,7 +199,14 @@ def policy_loss_by_name(
 
 
 def outcome_advantages_by_name(
-  name, rewards, group_size, args: Mapping[str, Any], *, axis_name=None, field='advantage'
+  name,
+  rewards,
+  group_size,
+  args: Mapping[str, Any],
+  *,
+  valid=None,
+  axis_name=None,
+  field='advantage',
 ):
   """One advantage per sequence from the estimator called `name`.
 
@@ -200,6 +215,8 @@ def outcome_advantages_by_name(
     rewards: [B] outcome rewards, groups of `group_size` consecutive rows.
     group_size: G dividing B.
     args: plain values by keyword name (see `ADVANTAGE_ARGS`).
+    valid: optional [B] bool, the rows that count (`jrl.losses.advantages`):
+      the others get 0 and leave the statistics alone.
     axis_name: mapped axis, for the estimators that take one.
     field: the name that errors give to `name`.
 
@@ -208,6 +225,8 @@ def outcome_advantages_by_name(
   """
   check_choice(name, field, OUTCOME_ADVANTAGES)
   kwargs = _forwarded(name, {**args, 'axis_name': axis_name}, ADVANTAGE_ARGS, 'advantage estimator')
+  if valid is not None:
+    kwargs['valid'] = valid
   return OUTCOME_ADVANTAGES[name](rewards, group_size, **kwargs)
 
 
@@ -219,6 +238,7 @@ def token_advantages_by_name(
   args: Mapping[str, Any],
   *,
   kl=None,
+  valid=None,
   axis_name=None,
   field='advantage',
 ):
@@ -227,7 +247,8 @@ def token_advantages_by_name(
   Outcome estimators give each response token its sequence's advantage
   (`broadcast_to_tokens`); the return estimators (REINFORCE++) compute one
   per token, with the KL penalty `kl` (times `args['kl_coef']`) in the
-  reward. Outcome estimators do not use `kl`.
+  reward. Outcome estimators do not use `kl`. Rows that `valid` leaves out
+  get 0 on every token and count in no statistic.
 
   Args:
     name: one of `ADVANTAGE_ESTIMATORS`.
@@ -236,30 +257,35 @@ def token_advantages_by_name(
     group_size: G dividing B.
     args: plain values by keyword name (see `ADVANTAGE_ARGS`).
     kl: optional [B, T] per-token KL for the return estimators.
+    valid: optional [B] bool, the rows that count (default: all).
     axis_name: mapped axis, for the estimators that take one.
     field: the name that errors give to `name`.
 
   Returns:
-    [B, T] float32, zero where mask is 0.
+    [B, T] float32, zero where mask is 0 and on invalid rows.
   """
   fn = get_advantage_estimator(name, field)
   kwargs = _forwarded(name, {**args, 'axis_name': axis_name}, ADVANTAGE_ARGS, 'advantage estimator')
+  if valid is not None:
+    kwargs['valid'] = valid
   if name in OUTCOME_ADVANTAGES:
     return adv_lib.broadcast_to_tokens(fn(rewards, group_size, **kwargs), mask)
   return fn(rewards, mask, group_size, kl=kl, **kwargs)
 
 
-def aggregate_loss(x, mask, mode, *, loss_norm=None, axis_name=None):
+def aggregate_loss(x, mask, mode, *, loss_norm=None, num_seqs=None, axis_name=None):
   """`aggregate(x, mask, mode)` with the callers' rule for the norm.
 
   'seq-mean-token-sum-norm' divides by B · `loss_norm`, or by B · T (the
   padded length, Dr. GRPO's constant) when `loss_norm` is None or 0; the
-  other modes ignore `loss_norm`.
+  other modes ignore `loss_norm`. `num_seqs` replaces B in the 'seq-mean-*'
+  modes (the trainer passes the rows it trains on); the token modes ignore it.
 
   Args:
     x: [B, T] per-token values.  mask: [B, T] 0/1.
     mode: one of `AGGREGATION_MODES`.
     loss_norm: the constant of 'seq-mean-token-sum-norm', or None.
+    num_seqs: None (B) or a count > 0 of the sequences a 'seq-mean-*' mode divides by.
     axis_name: optional mapped axis for cross-device sums.
 
   Returns:
@@ -268,4 +294,6 @@ def aggregate_loss(x, mask, mode, *, loss_norm=None, axis_name=None):
   norm = None
   if mode == 'seq-mean-token-sum-norm':
     norm = loss_norm or jnp.shape(x)[1]
-  return reductions.aggregate(x, mask, mode, norm=norm, axis_name=axis_name)
+  if not mode.startswith('seq-mean'):
+    num_seqs = None
+  return reductions.aggregate(x, mask, mode, norm=norm, num_seqs=num_seqs, axis_name=axis_name)

@@ -105,3 +105,17 @@ class ScoredBatch(NamedTuple):
   failures: dict  # name -> chunks whose call raised or crashed
   timeouts: dict  # name -> chunks that ran out of time
   errors: list  # the first error messages, for the log
+
+
+def scored_rows(scored, weights=None):
+  """[N] bool: the completions whose total holds every reward function's
+  score. A completion that one function left unscored (NaN in `per_fn`:
+  None, a failure, a timeout, a remote total that did not arrive) is not;
+  a function whose weight in `weights` ({name: weight}, None: all count) is
+  0 adds nothing to the total, and its gaps do not count."""
+  n = len(scored.total)
+  ok = np.ones(n, bool)
+  for name, values in scored.per_fn.items():
+    if weights is None or weights.get(name, 1.0) != 0:
+      ok &= np.isfinite(np.asarray(values, np.float64).reshape(n))
+  return ok

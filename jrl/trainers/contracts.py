@@ -89,7 +89,8 @@ class RolloutWorker(Protocol):
 
   def sample(self, params: Any, iteration: int, version: int | None = None, **options) -> Any:
     """One batch (`rollout.Rollout`: rows, behaviour logprobs, rewards, the
-    policy version that produced it, metrics), seeded by `iteration`;
+    policy version that produced it, metrics, and optionally `valid`, the
+    rows that enter training), seeded by `iteration`;
     `options` go to the engine's `generate` (partial rollouts: `weights_at`,
     `kv_on_swap`)."""
     ...

@@ -6,8 +6,12 @@ RL iteration reads:
 
     rollout  = topology.next_rollout(params, it)      # generate + score (worker)
     rollout  = place_rollout(rollout, ...)            # mesh, reference (rewards shaped)
-    A        = advantages(rewards, loss_mask)         # group-normalised, per token
+    A        = advantages(rewards, loss_mask, valid)  # group-normalised, per token
     state    = epochs x minibatches of policy_step.train_step(state, batch)
+
+`valid` leaves out the completions whose reward could not be computed
+(`reward.unscored='drop'`): advantage 0, outside their group's statistics
+and outside the loss.
 
 One-step-off (staleness 1) adds decoupled PPO: the clip is taken against
 the current (proximal) policy and the loss weighted by the truncated ratio
@@ -44,7 +48,7 @@ class Steps(NamedTuple):
 
   rl: Any  # policy_step.train_step
   logprobs: Any  # (params, tokens, mask) -> logp [B, T]
-  advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None) -> [B, T]
+  advantages: Any  # (rewards [B], loss_mask [B, T], kl_BxT=None, valid_B=None) -> [B, T]
 
 
 def make_steps(config, resources, tx, schedule, shardings, packer=None, remat=None):
@@ -111,8 +115,9 @@ def build(
     put = lambda x: common.place_global(x, resources.batch_sharding)
     zeros = put(np.zeros(tokens.shape, np.float32))
     is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
+    valid = online.place_valid(np.ones(tokens.shape[0], bool), resources.batch_sharding)
     return policy_step.PolicyBatch(
-      put(tokens), put(mask), put(loss_mask), zeros, zeros, zeros, is_weights
+      put(tokens), put(mask), put(loss_mask), zeros, zeros, zeros, is_weights, valid=valid
     )
 
   steps, packer, plan = memory_plan.planned_steps(
@@ -133,7 +138,9 @@ def build(
     kl_reward = None
     if adv_cfg.kl_coef_in_reward:
       kl_reward = L.kl_penalty(generated.old_logp, generated.ref_logp, estimator='k1', mask=mask)
-    adv = steps.advantages(jnp.asarray(generated.rewards), mask, kl_BxT=kl_reward)
+    adv = steps.advantages(
+      jnp.asarray(generated.rewards), mask, kl_BxT=kl_reward, valid_B=generated.valid
+    )
     full = policy_step.PolicyBatch(
       tokens=generated.batch.tokens,
       mask=generated.batch.mask,
@@ -142,6 +149,7 @@ def build(
       ref_logp=generated.ref_logp,
       advantages=adv,
       is_weights=is_weights,
+      valid=generated.valid,
     )
     return full, adv
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl import distributed
 from jrl import losses as L
@@ -207,28 +208,61 @@ def reward_state(reward_config):
   return {MOMENTS: jax.tree.map(jnp.float32, reward_norm.init())}
 
 
-def shape_rewards(state, raw, reward_config, metrics):
+def shape_rewards(state, raw, reward_config, metrics, valid=None):
   """(state, shaped rewards [N]): `raw` [N] clipped (`reward.clip`), or with
   `reward.normalize` normalised by the running moments in `state.extra`
-  after this batch is folded in; the new moments go back into the state.
-  Runs in the main thread in step order, so a resumed run shapes alike."""
+  after this batch's rows that `valid` ([N] bool, None: all) keeps are
+  folded in; the new moments go back into the state. Runs in the main
+  thread in step order, so a resumed run shapes alike."""
   clip = reward_config.clip
   if not reward_config.normalize:
     return state, reward_norm.clip_rewards(raw, clip)
+  raw = np.asarray(raw)
+  kept = np.ones(len(raw), bool) if valid is None else np.asarray(valid, bool)
   held = state.extra[MOMENTS]
-  moments = reward_norm.update(reward_norm.RunningMoments(*map(float, held)), raw)
+  moments = reward_norm.update(reward_norm.RunningMoments(*map(float, held)), raw[kept])
   shaped = reward_norm.normalize(moments, raw, clip=clip)
   metrics['reward/running_mean'] = float(moments.mean)
   metrics['reward/running_std'] = reward_norm.std(moments)
-  metrics['reward/shaped_mean'] = float(shaped.mean())
+  metrics['reward/shaped_mean'] = float(shaped[kept].mean()) if kept.any() else 0.0
   new = jax.tree.map(lambda x, old: jax.device_put(jnp.float32(x), old.sharding), moments, held)
   return state._replace(extra={**state.extra, MOMENTS: new}), shaped
+
+
+def valid_rows(generated):
+  """[B·G] bool host array: the rows of a worker's Rollout that enter
+  training (`Rollout.valid`; every row when the worker sets none)."""
+  if generated.valid is None:
+    return np.ones(len(generated.rewards), bool)
+  return np.asarray(generated.valid, bool)
+
+
+def rows_sharding(sharding, rank):
+  """`sharding`, the layout of [B, T] batch arrays, for an array of rank
+  `rank`: its rows split the same way, its other axes whole."""
+  if not isinstance(sharding, NamedSharding):
+    return sharding  # one device: any rank
+  spec = tuple(sharding.spec)
+  rows = spec[0] if spec else None
+  return NamedSharding(sharding.mesh, PartitionSpec(*([rows] + [None] * (rank - 1))[:rank]))
+
+
+def place_valid(valid, batch_sharding):
+  """A [B] host array that every process holds whole, laid out by rows as
+  `batch_sharding` lays out [B, T] arrays."""
+  return common.place_global(valid, rows_sharding(batch_sharding, 1))
+
+
+def trained_mask(generated):
+  """[B, T] bool: the response tokens of a placed rollout's valid rows."""
+  return L.valid_token_mask(generated.batch.loss_mask, generated.valid)
 
 
 def place_rollout(generated, resources, logprobs, ref_params, rows):
   """A worker's Rollout (its rewards shaped) placed on the mesh, with
   reference logprobs (`logprobs(params, tokens, mask)` over minibatches of
-  `rows`; zeros when `ref_params` is None)."""
+  `rows`; zeros when `ref_params` is None) and `valid` a [B·G] bool array
+  laid out by rows (every row when the worker set none)."""
   metrics = dict(generated.metrics)
   start = time.perf_counter()
   placed = common.place(generated.batch, resources.batch_sharding)
@@ -248,14 +282,21 @@ def place_rollout(generated, resources, logprobs, ref_params, rows):
     ref_logp=ref_logp,
     metrics=metrics,
     num_tokens=num_tokens,
+    valid=place_valid(valid_rows(generated), resources.batch_sharding),
   )
 
 
+def _take_rows(full, idx, sharding):
+  """The rows `idx` [b] of a pytree of [B, ...] arrays, each laid out by
+  rows as `sharding` lays out [B, T] arrays: one program for every leaf."""
+  leaves, treedef = jax.tree.flatten(full)
+  return _row_taker(sharding, treedef, tuple(x.ndim for x in leaves))(full, idx)
+
+
 @functools.cache
-def _take_rows(sharding):
-  """(pytree of [B, ...] arrays, row indices [b]) -> the rows laid out with
-  `sharding`: one program for every leaf."""
-  return jax.jit(lambda full, idx: jax.tree.map(lambda x: x[idx], full), out_shardings=sharding)
+def _row_taker(sharding, treedef, ranks):
+  out = jax.tree.unflatten(treedef, [rows_sharding(sharding, r) for r in ranks])
+  return jax.jit(lambda full, idx: jax.tree.map(lambda x: x[idx], full), out_shardings=out)
 
 
 def whole_groups(config):
@@ -301,7 +342,7 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
       perm = rng.permutation(rows)
     for k in range(rows // mb):
       order = np.sort(perm[k * mb : (k + 1) * mb])
-      mini = _take_rows(sharding)(full, jnp.asarray(order))
+      mini = _take_rows(full, jnp.asarray(order), sharding)
       distributed.settle(mini)
       if packer is not None:
         mini = mini._replace(packed=packer.for_step(*(x[order] for x in host)))
@@ -364,7 +405,9 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
   rl = config.rl
   t_step = time.perf_counter()
   generated = topo.next_rollout(state.params, it)
-  state, shaped = shape_rewards(state, generated.rewards, config.reward, generated.metrics)
+  state, shaped = shape_rewards(
+    state, generated.rewards, config.reward, generated.metrics, valid_rows(generated)
+  )
   ref_params = state.extra['ref_params'] if uses_ref else None
   generated = place_rollout(
     generated._replace(rewards=shaped), resources, logprobs, ref_params, rl.minibatch_size
@@ -382,7 +425,7 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
       algorithm.update, state, full, config, it, resources.batch_sharding, packer
     )
   metrics.update(update_metrics)
-  metrics.update(advantage_metrics(adv, generated.batch.loss_mask))
+  metrics.update(advantage_metrics(adv, trained_mask(generated)))
   if algorithm.after is not None:
     state = algorithm.after(state, generated, metrics)
   topo.publish(state.params, it + 1)  # partial rollouts in flight may move to it
@@ -394,7 +437,10 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
 
 
 def advantage_metrics(adv, loss_mask):
+  """Mean, std and range of the advantages on the tokens trained on."""
   values = distributed.fetch(adv)[distributed.fetch(loss_mask)]
+  if not values.size:  # every completion left out
+    return {f'advantages/{k}': 0.0 for k in ('mean', 'std', 'max', 'min')}
   return {
     'advantages/mean': float(values.mean()),
     'advantages/std': float(values.std()),

@@ -2,10 +2,12 @@
 RLOO, REINFORCE++): one pure `train_step(state, batch) -> (state, metrics)`.
 
 Rows are prompt + response sequences [B, T]; the loss covers response
-tokens only (`loss_mask`). `old_logp` are the behaviour policy's logprobs of
-those tokens (the sampler's, which equal the trainer's for the colocated
-sampler), `ref_logp` the reference model's (unused when `kl_coef` is 0), and
-`advantages` are per token, computed once per rollout by `advantages`.
+tokens only (`loss_mask`), of the rows that `valid` keeps (a completion
+whose reward could not be computed is left out: `reward.unscored`).
+`old_logp` are the behaviour policy's logprobs of those tokens (the
+sampler's, which equal the trainer's for the colocated sampler), `ref_logp`
+the reference model's (unused when `kl_coef` is 0), and `advantages` are
+per token, computed once per rollout by `advantages`.
 
     ℓ_t = policy_loss(logp, old_logp, A) + β · KL_t(π ‖ π_ref) − c_H · H_t
     L   = aggregate(ℓ, loss_mask, loss_agg)
@@ -37,6 +39,10 @@ class PolicyBatch(NamedTuple):
   # jrl.data.packing.PackedInputs of tokens/mask: the model runs on packed
   # rows (`train.packing`); None: on the padded rows.
   packed: Any = None
+  # [B] bool: the rows trained on; the others (unscored completions) are in
+  # no term of the loss and no count that normalises it. None: every row.
+  # Kept apart from `loss_mask`, which also lays the rows out (where prompts end).
+  valid: jax.Array | None = None
 
 
 class PolicyLossConfig(NamedTuple):
@@ -100,7 +106,7 @@ def objective(logp, entropy, router_loss, batch, policy_config):
     (loss [], metrics dict of [] float32).
   """
   stop = jax.lax.stop_gradient
-  loss_mask = batch.loss_mask
+  loss_mask, num_seqs = trained_mask(batch)
   held, own_mask = common.held_mask(loss_mask, batch.packed)
   # Sequences of other micro-batches: the behaviour logprobs stand in for
   # theirs (ratio 1, every term finite), and their terms are zeroed.
@@ -144,9 +150,8 @@ def objective(logp, entropy, router_loss, batch, policy_config):
   if policy_config.entropy_coef:
     total = total + policy_config.entropy_coef * L.entropy_loss(entropy, own_mask)
   own = lambda x: common.only_held(x, held)
-  loss = L.aggregate_loss(
-    own(total), loss_mask, policy_config.loss_agg, loss_norm=policy_config.loss_norm
-  )
+  agg = dict(loss_norm=policy_config.loss_norm, num_seqs=num_seqs)
+  loss = L.aggregate_loss(own(total), loss_mask, policy_config.loss_agg, **agg)
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
   if policy_config.router_aux_coef:
     # A micro-batch's router loss is over its own tokens: weighed by its
@@ -156,7 +161,7 @@ def objective(logp, entropy, router_loss, batch, policy_config):
     loss = loss + policy_config.router_aux_coef * real_share * router_loss
     metrics['actor/router_loss'] = stop(router_loss)
   metrics['actor/pg_loss'] = L.aggregate_loss(
-    own(stop(pg)), loss_mask, policy_config.loss_agg, loss_norm=policy_config.loss_norm
+    own(stop(pg)), loss_mask, policy_config.loss_agg, **agg
   )
   metrics['actor/kl_ref'] = L.token_mean(stop(kl), own_mask)
   metrics['actor/entropy'] = L.token_mean(stop(entropy), own_mask)
@@ -164,6 +169,18 @@ def objective(logp, entropy, router_loss, batch, policy_config):
   metrics['actor/logp_diff_abs'] = L.token_mean(stop(jnp.abs(logp - batch.old_logp)), own_mask)
   metrics[TOKEN_SHARE] = jnp.sum(own_mask) / jnp.maximum(jnp.sum(loss_mask), 1)
   return loss, metrics
+
+
+def trained_mask(batch):
+  """(loss mask [B, T] of the rows trained on, their count or None): the
+  batch's `loss_mask` without the rows `batch.valid` leaves out, and the
+  number of rows kept (at least 1), which the 'seq-mean-*' aggregations
+  divide by instead of B. Without `valid`: (loss_mask, None)."""
+  valid = getattr(batch, 'valid', None)
+  if valid is None:
+    return batch.loss_mask, None
+  mask = L.valid_token_mask(batch.loss_mask, valid)
+  return mask, jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
 
 
 # Keys of the metrics that micro-batches add up (shares of the minibatch's
@@ -221,12 +238,14 @@ class AdvantageConfig(NamedTuple):
   kl_coef_in_reward: float = 0.0  # β of a KL penalty folded into the reward
 
 
-def advantages(rewards_B, loss_mask_BxT, group_size, adv_config, kl_BxT=None):
+def advantages(rewards_B, loss_mask_BxT, group_size, adv_config, kl_BxT=None, valid_B=None):
   """Per-token advantages [B, T] of one rollout batch (`L.token_advantages_by_name`).
 
   Outcome estimators (grpo, dr_grpo, rloo, loo) give each response token its
   sequence's advantage; REINFORCE++ variants use per-token returns with the
-  KL penalty (β = `kl_coef_in_reward`) in the reward.
+  KL penalty (β = `kl_coef_in_reward`) in the reward. Rows that `valid_B`
+  ([B] bool, None: all) leaves out get 0 and count in no group or batch
+  statistic.
   """
   args = {**dict(adv_config.args), 'kl_coef': adv_config.kl_coef_in_reward}
   return L.token_advantages_by_name(
@@ -236,6 +255,7 @@ def advantages(rewards_B, loss_mask_BxT, group_size, adv_config, kl_BxT=None):
     group_size,
     args,
     kl=kl_BxT,
+    valid=valid_B,
     field='rl.advantage',
   )
 

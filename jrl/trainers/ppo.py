@@ -11,6 +11,10 @@ via `ppo.critic_path`). Per rollout:
     policy: PPO clip on A;  critic: clipped value loss toward G
     β     ← adaptive controller (Ziegler et al. 2019) from the measured KL
 
+Completions whose reward could not be computed (`reward.unscored='drop'`)
+are left out: no reward, no GAE, no whitening statistics, no policy or
+value loss (`PPOBatch.valid`).
+
 `train_step(state, batch)` updates policy and critic together; both are
 pure and jitted once in `build`. Rollouts come from the same rollout worker
 and topology as GRPO's (`jrl.trainers.online`).
@@ -52,6 +56,7 @@ class PPOBatch(NamedTuple):
   # (one-step-off, `correction.proximal`); None: on-policy.
   is_weights: jax.Array | None = None
   packed: Any = None  # jrl.data.packing.PackedInputs (`train.packing`), else None
+  valid: jax.Array | None = None  # [B] bool rows trained on (policy_step.PolicyBatch.valid)
 
 
 def critic_values(graphdef, params, tokens, mask, packed=None):
@@ -76,7 +81,7 @@ def value_loss_fn(params, graphdef, batch, value_clip):
   """Token-mean value loss of a minibatch, or the share of it that the
   micro-batch `batch.packed.select` holds (as `policy_step.policy_loss`)."""
   v = critic_values(graphdef, params, batch.tokens, batch.mask, batch.packed)
-  loss_mask = batch.loss_mask
+  loss_mask, _ = policy_step.trained_mask(batch)
   held, own_mask = common.held_mask(loss_mask, batch.packed)
   v = common.only_held(v, held, jax.lax.stop_gradient(batch.old_values))
   per_token, metrics = L.value_loss(
@@ -101,6 +106,7 @@ def loss_and_grads(state, batch, *, graphdef, critic_graphdef, policy_config, va
     batch.advantages,
     is_weights=batch.is_weights,
     packed=batch.packed,
+    valid=batch.valid,
   )
   loss, metrics, grads = policy_step.loss_and_grads(
     state, pbatch, graphdef=graphdef, policy_config=policy_config
@@ -295,7 +301,8 @@ def build(
     put = lambda x: common.place_global(x, resources.batch_sharding)
     z = put(np.zeros(tokens.shape, np.float32))
     is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
-    return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights)
+    valid = online.place_valid(np.ones(tokens.shape[0], bool), resources.batch_sharding)
+    return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights, valid=valid)
 
   steps, packer, plan = memory_plan.planned_steps(
     config,
@@ -310,13 +317,15 @@ def build(
 
   def batch(state, generated, old_logp, is_weights, metrics):
     """The critic's values, the KL-shaped token rewards, GAE (whitened) and
-    the PPOBatch of a placed rollout."""
-    mask = generated.batch.loss_mask
+    the PPOBatch of a placed rollout; the rows left out (`generated.valid`)
+    get no reward, advantage or return and count in no statistic."""
+    mask = online.trained_mask(generated)
     beta = float(state.extra['kl_ctl'].coef)  # read before the state is donated
     kl = jnp.zeros_like(generated.old_logp)
+    response = generated.batch.loss_mask  # the KL is measured on every response
     if uses_ref:
       kl = L.kl_penalty(
-        generated.old_logp, generated.ref_logp, estimator=rl.kl_estimator, mask=mask
+        generated.old_logp, generated.ref_logp, estimator=rl.kl_estimator, mask=response
       )
     token_rewards = L.token_level_rewards(
       jnp.asarray(generated.rewards), mask, kl=kl, kl_coef=beta if in_reward else 0.0
@@ -328,19 +337,20 @@ def build(
     adv, returns = steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
     metrics['actor/kl_coef'] = beta
-    metrics['rollout/kl'] = float(L.token_mean(kl, mask))
+    metrics['rollout/kl'] = float(L.token_mean(kl, response))
     metrics['critic/values_mean'] = float(L.token_mean(old_values, mask))
     metrics['critic/returns_mean'] = float(L.token_mean(returns, mask))
     full = PPOBatch(
       generated.batch.tokens,
       generated.batch.mask,
-      mask,
+      generated.batch.loss_mask,  # the layout's: where each prompt ends
       old_logp,
       generated.ref_logp,
       adv,
       returns,
       old_values,
       is_weights,
+      valid=generated.valid,
     )
     return full, adv
 

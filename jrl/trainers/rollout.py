@@ -13,9 +13,17 @@ second implementation of the same interface. A topology
 when; the algorithm never calls the sampler itself.
 
 `Rollout` is the one container of a generated batch: the worker fills the
-host side (tokens, the sampler's logprobs, raw rewards, metrics); the
-online controller places it on the mesh and adds reference logprobs
-(`jrl.trainers.online.place_rollout`).
+host side (tokens, the sampler's logprobs, raw rewards, the rows that enter
+training, metrics); the online controller places it on the mesh and adds
+reference logprobs (`jrl.trainers.online.place_rollout`).
+
+Unscored is not wrong: a completion whose total lacks a reward function's
+score (it returned None, failed, timed out, the remote total did not
+arrive) is left out of training by default (`reward.unscored='drop'`: its
+`valid` row is False, so it has advantage 0, is outside its group's
+statistics and outside the loss), and counted (`samples/unscored`,
+`samples/left_out`). `reward.unscored='value'` trains it with
+`reward.unscored_value` in its total instead, as a score.
 """
 
 import threading
@@ -27,6 +35,7 @@ import numpy as np
 
 from jrl import distributed, rewards, sampler
 from jrl.rewards import shaping as reward_norm
+from jrl.rewards.base import scored_rows
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
 from jrl.trainers import checks, common, engines
@@ -44,10 +53,15 @@ class Rollout(NamedTuple):
   metrics: dict
   ref_logp: jax.Array | None = None  # [B·G, T] reference logprobs, once placed
   num_tokens: int = 0  # real tokens in the batch, once placed
+  # [B·G] bool: the rows that enter training (False: an unscored completion
+  # left out, `reward.unscored='drop'`); None: every row. Laid out by rows once placed.
+  valid: np.ndarray | jax.Array | None = None
 
 
 # The reward service ---------------------------------------------------------------
 
+
+UNSCORED = ('drop', 'value')  # the choices of `reward.unscored`
 
 REWARD = checks.Section(
   'reward',
@@ -64,8 +78,21 @@ REWARD = checks.Section(
     'reward.code.concurrency': checks.count(0),
     'reward.code.case_wall_s': checks.non_negative(),
   },
-  lambda config, batch_shards: check_code_reward(config.reward),
+  lambda config, batch_shards: check_reward(config.reward),
 )
+
+
+def check_reward(reward_config):
+  """The `reward` section's choices and its code reward."""
+  unscored = reward_config.unscored
+  checks.need(
+    unscored in UNSCORED,
+    'reward.unscored',
+    f"must be one of {UNSCORED} ('drop': an unscored completion is left out of the "
+    "loss and its group's advantages; 'value': it counts `reward.unscored_value`), "
+    f'got {unscored!r}.',
+  )
+  check_code_reward(reward_config)
 
 
 def check_code_reward(reward_config):
@@ -144,6 +171,24 @@ def make_scorer(reward_config, tokenizer, mesh, is_main):
   return service, level
 
 
+def function_weights(reward_config):
+  """{name: weight} of the local reward functions (`scored_rows`); None for
+  a reward server, whose functions and weights are its own."""
+  if reward_config.url:
+    return None
+  names = tuple(reward_config.functions)
+  weights = tuple(reward_config.weights) or (1.0,) * len(names)
+  return dict(zip(names, weights, strict=False))
+
+
+def tied_groups(total_BxG, valid_BxG):
+  """[B] bool: the groups whose valid rewards are all equal, or that have
+  at most one valid reward: no signal for a group baseline."""
+  most = np.where(valid_BxG, total_BxG, -np.inf).max(axis=1)
+  least = np.where(valid_BxG, total_BxG, np.inf).min(axis=1)
+  return (most == least) | (valid_BxG.sum(axis=1) <= 1)
+
+
 def pack_completions(prompts, completions, seq_len, pad_id):
   """(SequenceBatch, old_logp [B·G, T]): one row per completion, prompt +
   completion tokens, with the sampler's logprobs on the completion."""
@@ -197,6 +242,8 @@ class RolloutWorker:
     self.scorer, self.sandbox_level = make_scorer(
       config.reward, resources.tokenizer, mesh, resources.is_main
     )
+    self.weights = function_weights(config.reward)
+    self.drop_unscored = config.reward.unscored == 'drop'
     self.last_errors = []  # the reward service's first errors of the latest batch
     self.last_samples = []  # the latest batch's first group, for the sample log
 
@@ -300,7 +347,8 @@ class RolloutWorker:
 
     DAPO's dynamic sampling drops groups whose rewards are all equal (no
     signal) and draws more prompts until `prompts_per_step` groups are kept;
-    if `dynamic_sampling_max_draws` runs out, dropped groups fill up.
+    if `dynamic_sampling_max_draws` runs out, dropped groups fill up. With
+    `reward.unscored='drop'` only a group's scored completions count there.
     """
     rl = self.config.rl
     version = iteration if version is None else version
@@ -332,12 +380,14 @@ class RolloutWorker:
         lengths, self.config.task.max_response_len, rl.overlong_buffer, rl.overlong_penalty
       )
       total = (scored.total - penalty).reshape(b, g)
+      complete = scored_rows(scored, self.weights).reshape(b, g)
+      valid = complete if self.drop_unscored else np.ones_like(complete)
       t_reward += time.perf_counter() - start
-      zero_var = total.max(axis=1) == total.min(axis=1)
+      zero_var = tied_groups(total, valid)
       zero_var_groups += int(zero_var.sum())
       drawn_groups += b
       for j in range(b):
-        item = (requests[j], groups[j], total[j])
+        item = (requests[j], groups[j], total[j], complete[j], valid[j])
         (dropped if rl.dynamic_sampling and zero_var[j] else kept).append(item)
       if len(kept) >= b:
         break
@@ -347,11 +397,14 @@ class RolloutWorker:
     requests = [k[0] for k in kept]
     groups = [k[1] for k in kept]
     rewards_np = np.concatenate([k[2] for k in kept]).astype(np.float32)
+    complete_np = np.concatenate([k[3] for k in kept])
+    valid_np = np.concatenate([k[4] for k in kept])
     self.last_samples = [
       {
         'prompt': decode(self.tokenizer, requests[0].prompt, ()),
         'completion': decode(self.tokenizer, c.tokens, self.stop_tokens),
         'reward': float(kept[0][2][k]),
+        'scored': bool(kept[0][3][k]),  # False: `reward` is a stand-in (`reward.unscored`)
         'finish_reason': c.finish_reason,
       }
       for k, c in enumerate(groups[0])
@@ -363,10 +416,12 @@ class RolloutWorker:
     batch, old_logp = pack_completions(prompts, completions, self.seq_len, self.tokenizer.pad_id)
     lengths = np.asarray([len(c.tokens) for c in completions])
 
-    metrics['reward/mean'] = float(rewards_np.mean())
-    metrics['reward/std'] = float(rewards_np.std())
+    # Over the rewards trained on (with 'drop', the unscored are none of them).
+    trained = rewards_np[valid_np]
+    metrics['reward/mean'] = float(trained.mean()) if trained.size else 0.0
+    metrics['reward/std'] = float(trained.std()) if trained.size else 0.0
     metrics.update(self._reward_metrics(first_scored))
-    metrics['reward/length_corr'] = reward_norm.length_correlation(rewards_np, lengths)
+    metrics['reward/length_corr'] = reward_norm.length_correlation(trained, lengths[valid_np])
     metrics['response_length/mean'] = float(lengths.mean())
     metrics['response_length/max'] = float(lengths.max())
     metrics['response_length/clip_ratio'] = float(
@@ -380,11 +435,16 @@ class RolloutWorker:
     metrics['samples/generated'] = float(drawn_groups * g)
     metrics['samples/trained'] = float(b * g)
     metrics['samples/dropped'] = float((drawn_groups - b) * g)
+    # Of the rows trained on: completions whose total lacks a score, and those
+    # left out of the loss for it (all of them with `reward.unscored='drop'`,
+    # else none).
+    metrics['samples/unscored'] = float((~complete_np).sum())
+    metrics['samples/left_out'] = float((~valid_np).sum())
     metrics['time/generate'] = t_gen
     metrics['time/reward'] = t_reward
     metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
     metrics.update(version_metrics(completions, iteration))
-    return Rollout(batch, old_logp, rewards_np, version, metrics)
+    return Rollout(batch, old_logp, rewards_np, version, metrics, valid=valid_np)
 
 
 def version_metrics(completions, iteration):

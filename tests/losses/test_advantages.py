@@ -1170,6 +1170,163 @@ def test_loo_and_reinforce_pp_check_grads():
 
 
 # ----------------------------------------------------------------------------
+# Rows left out (`valid`): completions whose reward could not be computed
+# ----------------------------------------------------------------------------
+
+# Each outcome estimator with `valid`, and its plain-loop reference (applied
+# to the valid rows alone, as a batch without the others).
+_VALID_CASES = {
+  'grpo_group_unbiased': (grpo_advantages, np_grpo),
+  'grpo_group_biased': (
+    functools.partial(grpo_advantages, std='biased'),
+    functools.partial(np_grpo, std='biased'),
+  ),
+  'grpo_batch': (
+    functools.partial(grpo_advantages, scale='batch'),
+    functools.partial(np_grpo, scale='batch'),
+  ),
+  'grpo_none': (
+    functools.partial(grpo_advantages, scale='none'),
+    functools.partial(np_grpo, scale='none'),
+  ),
+  'dr_grpo': (dr_grpo_advantages, functools.partial(np_grpo, scale='none')),
+  'rloo': (rloo_advantages, np_rloo),
+  'loo': (loo_advantages, np_loo),
+  'loo_unnormalised': (
+    functools.partial(loo_advantages, normalize=False),
+    functools.partial(np_loo, normalize=False),
+  ),
+}
+# The estimators whose statistics stay inside a group.
+_GROUP_LOCAL = sorted(k for k in _VALID_CASES if k != 'grpo_batch')
+
+
+def _one_left_out_per_group(seed, n=NB, g=4):
+  """[n] bool: one False at a random place in each group of g."""
+  valid = np.ones(n, bool)
+  valid[np.arange(0, n, g) + _rng(seed).integers(0, g, n // g)] = False
+  return valid
+
+
+def test_valid_rows_hand():
+  # Group [1, 0, (5, left out), 0]: the three valid rewards have mean 1/3 and
+  # unbiased std sqrt(1/3); their leave-one-out means are 0, 1/2, 1/2; loo
+  # scales the last two by the std of siblings (1, 0), sqrt(1/2).
+  r = _f32([1.0, 0.0, 5.0, 0.0])
+  valid = np.array([True, True, False, True])
+  s, h = math.sqrt(1 / 3) + 1e-6, math.sqrt(1 / 2) + 1e-6
+
+  def all_of(r, v):
+    fns = (grpo_advantages, dr_grpo_advantages, rloo_advantages, loo_advantages)
+    return jnp.stack([fn(r, 4, valid=v) for fn in fns])
+
+  grpo, dr_grpo, rloo, loo = _jit(all_of, r, valid)
+  _close(grpo, [(2 / 3) / s, -(1 / 3) / s, 0.0, -(1 / 3) / s])
+  _close(dr_grpo, [2 / 3, -1 / 3, 0.0, -1 / 3])
+  _close(rloo, [1.0, -0.5, 0.0, -0.5])
+  _close(loo, [1.0, -0.5 / h, 0.0, -0.5 / h])
+
+
+def test_valid_rows_that_tie_or_stand_alone_give_zero():
+  # Valid rewards all 1 (the left-out 0 would have made a spread), then a
+  # group with one valid row (no baseline), then a group with none.
+  r = _f32([1.0, 1.0, 0.0, 1.0, 0.7, 0.2, 0.9, 0.1, 0.3, 0.8, 0.5, 0.6])
+  valid = np.array([True, True, False, True, False, True, False, False] + [False] * 4)
+  for name, (fn, _) in _VALID_CASES.items():
+    out = _jit(lambda r, v, fn=fn: fn(r, 4, valid=v), r, valid)
+    np.testing.assert_array_equal(out, np.zeros(12), err_msg=name)
+
+
+@pytest.mark.parametrize('name', sorted(_VALID_CASES))
+def test_valid_rows_equal_the_batch_without_the_others(name):
+  """One row of each group left out (its reward NaN: never read) gives the
+  other rows what the batch without those rows gives them, and 0 to the
+  left-out rows."""
+  fn, reference = _VALID_CASES[name]
+  r = _rewards(70)
+  valid = _one_left_out_per_group(71)
+  with_nan = np.where(valid, r, np.nan).astype(np.float32)
+  got = _jit(lambda r, v: fn(r, 4, valid=v), with_nan, valid)
+  without = _jit(lambda r: fn(r, 3), r[valid])
+  np.testing.assert_array_equal(np.asarray(got)[~valid], 0.0)
+  _close(np.asarray(got)[valid], np.asarray(without), 1e-5, name)
+  _close(np.asarray(got)[valid], reference(r[valid], 3), 1e-5, name)
+
+
+@pytest.mark.parametrize('name', _GROUP_LOCAL)
+def test_valid_rows_any_number_per_group(name):
+  # Groups with 4, 3, 2, 1 and 0 valid rows: each group gets the estimator
+  # of its valid rows alone (0 with fewer than two).
+  fn, reference = _VALID_CASES[name]
+  r = _rewards(72, 20)
+  valid = np.array([1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0], bool)
+  got = np.asarray(_jit(lambda r, v: fn(r, 4, valid=v), r, valid))
+  for start in range(0, 20, 4):
+    keep = valid[start : start + 4]
+    mine = got[start : start + 4]
+    k = int(keep.sum())
+    want = reference(r[start : start + 4][keep], k) if k >= 2 else np.zeros(k)
+    _close(mine[keep], want, 1e-5, (name, start))
+    np.testing.assert_array_equal(mine[~keep], 0.0)
+
+
+def test_valid_none_is_every_row():
+  r, every = _rewards(73), np.ones(NB, bool)
+  for name, (fn, _) in _VALID_CASES.items():
+    both = _jit(lambda r, v, fn=fn: (fn(r, 4), fn(r, 4, valid=v)), r, every)
+    np.testing.assert_allclose(both[0], both[1], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_valid_rows_reinforce_pp_baseline_equals_the_batch_without_the_others():
+  r, kl = _rewards(74), np.abs(_normal(75, (NB, T)))
+  m = _mask(76, NB)
+  valid = _one_left_out_per_group(77)
+
+  def fn(r, m, kl, v):
+    return reinforce_pp_baseline_advantages(r, m, 4, kl=kl, kl_coef=0.1, gamma=0.9, valid=v)
+
+  got = np.asarray(_jit(fn, np.where(valid, r, np.nan).astype(np.float32), m, kl, valid))
+  without = _jit(
+    lambda r, m, kl: reinforce_pp_baseline_advantages(r, m, 3, kl=kl, kl_coef=0.1, gamma=0.9),
+    r[valid],
+    m[valid],
+    kl[valid],
+  )
+  np.testing.assert_array_equal(got[~valid], 0.0)
+  _close(got[valid], np.asarray(without), 1e-5)
+
+
+def test_valid_rows_gradients():
+  """d adv / d r is 0 for a left-out row and matches finite differences for
+  the others; jit and eager agree."""
+  valid = np.array([True, False, True, True, True, True, False, True])
+
+  def fn(r):
+    return jnp.concatenate(
+      [f(r, 4, valid=valid) for f, _ in _VALID_CASES.values()]
+      + [reinforce_pp_baseline_advantages(r, _M, 4, valid=valid).reshape(-1)]
+    )
+
+  check_grads(jax.jit(fn), (_SEPARATED,), **_CHECK)
+  w = _normal(78, (fn(_SEPARATED).shape[0],))
+  grad = jax.jit(jax.grad(lambda r: jnp.sum(w * fn(r))))(_SEPARATED)
+  np.testing.assert_array_equal(np.asarray(grad)[~valid], 0.0)
+  assert np.all(np.isfinite(grad)) and np.abs(np.asarray(grad)[valid]).sum() > 0
+  np.testing.assert_allclose(jax.jit(fn)(_SEPARATED), fn(_SEPARATED), rtol=1e-5, atol=1e-6)
+
+
+def test_valid_rows_grpo_batch_scale_sharded():
+  # 24 rows, G=3, one row of each group left out: the batch std over the
+  # valid rows of all 8 shards.
+  r, valid = _rewards(79), _one_left_out_per_group(80, g=3)
+  call = lambda r, v, **kw: grpo_advantages(r, 3, scale='batch', valid=v, **kw)
+  sharded = _shard(lambda r, v: call(r, v, axis_name='data'), r, valid)
+  single = _jit(call, r, valid)
+  _close(sharded, single, 1e-5)
+  _close(np.asarray(single)[valid], np_grpo(r[valid], 2, scale='batch'), 1e-5)
+
+
+# ----------------------------------------------------------------------------
 # Bad input.
 # ----------------------------------------------------------------------------
 
@@ -1236,6 +1393,14 @@ _BAD_INPUTS = {
   'tlr_mask_rank': (lambda: token_level_rewards(_R4, np.ones(4)), '`mask`'),
   'tlr_kl': (lambda: token_level_rewards(_R4, _M43, kl=np.ones((4, 2))), '`kl`'),
   'rppb_kl': (lambda: reinforce_pp_baseline_advantages(_R4, _M43, 2, kl=np.ones((4, 1))), '`kl`'),
+  # `valid` must be [B] like the rewards.
+  'grpo_valid_rows': (lambda: grpo_advantages(_R4, 2, valid=np.ones(3, bool)), '`valid`'),
+  'loo_valid_rank': (lambda: loo_advantages(_R4, 2, valid=np.ones((4, 1), bool)), '`valid`'),
+  'rloo_valid_rows': (lambda: rloo_advantages(_R4, 2, valid=np.ones(8, bool)), '`valid`'),
+  'rppb_valid_rows': (
+    lambda: reinforce_pp_baseline_advantages(_R4, _M43, 2, valid=np.ones(2, bool)),
+    '`valid`',
+  ),
 }
 
 

@@ -192,3 +192,33 @@ def test_aggregate_loss_norm_rule(mode):
     )
   else:  # the other modes ignore loss_norm
     _same(L.aggregate_loss(logp, mask, mode, loss_norm=3.0), L.aggregate(logp, mask, mode))
+
+
+@pytest.mark.parametrize('name', list(L.ADVANTAGE_ESTIMATORS))
+def test_token_advantages_by_name_leaves_invalid_rows_out(name):
+  """Rows 1 and 6 (one of each group) left out: 0 on their tokens, and on the
+  others what the batch without those rows gives (groups of G − 1)."""
+  *_, mask, rewards, kl = _batch(4)
+  valid = np.ones(B, bool)
+  valid[[1, 6]] = False
+  nan = jnp.where(jnp.asarray(valid), rewards, jnp.nan)  # a left-out reward is never read
+  got = jax.jit(
+    lambda r, m, k, v: L.token_advantages_by_name(name, r, m, G, ADV_ARGS, kl=k, valid=v)
+  )(nan, mask, kl, valid)
+  without = L.token_advantages_by_name(
+    name, rewards[valid], mask[valid], G - 1, ADV_ARGS, kl=kl[valid]
+  )
+  np.testing.assert_array_equal(np.asarray(got)[~valid], 0.0)
+  np.testing.assert_allclose(np.asarray(got)[valid], without, rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(without)).sum() > 0
+
+
+@pytest.mark.parametrize('mode', L.AGGREGATION_MODES)
+def test_aggregate_loss_num_seqs_replaces_b_in_the_seq_mean_modes(mode):
+  logp, _, _, mask, *_ = _batch(5)
+  got = L.aggregate_loss(logp, mask, mode, num_seqs=3.0)
+  if mode.startswith('seq-mean'):
+    norm = {'norm': T} if mode == 'seq-mean-token-sum-norm' else {}
+    _same(got, L.aggregate(logp, mask, mode, num_seqs=3.0, **norm))
+  else:  # the token modes ignore it
+    _same(got, L.aggregate_loss(logp, mask, mode))
