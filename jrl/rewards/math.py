@@ -31,8 +31,10 @@ deadline elsewhere (reward modes 'thread' and 'inline'). The tests run a
 corpus of hostile completions
 (tests/rewards/hostile.py) against every registered reward.
 
-Registered rewards: `math_answer` (1 / 0, None when no answer is found or
-the chunk's time budget ran out before it was compared) and `exact_match`
+Registered rewards: `math_answer` (1 / 0; 0 when no answer is found, the
+policy's doing; None only when the chunk's time budget ran out before the
+answer was compared, which unscored completions are left out of the loss
+for) and `exact_match`
 (the stripped completion equals the answer).
 """
 
@@ -232,8 +234,9 @@ CHUNK_BUDGET = 0.8  # share of a chunk's time in the reward service that math_an
 @register('math_answer')
 def math_answer(prompts, completions, metadata):
   """1.0 if the extracted answer is equivalent to metadata['answer'], 0.0 if
-  not, None if no answer can be found in the completion, or if the chunk's
-  budget ran out before its answer could be compared.
+  not or if no answer can be found in the completion (writing none is the
+  policy's doing: it must not escape the loss as unscored), None if the
+  chunk's budget ran out before its answer could be compared.
 
   The budget: inside the reward service, CHUNK_BUDGET of the time the service
   waits for the call (`time_left()`: a chunk's `reward.timeout_s`); no budget
@@ -259,7 +262,7 @@ def math_answer(prompts, completions, metadata):
   for i, (completion, meta) in enumerate(zip(completions, metadata, strict=True)):
     got = extract_answer(completion)
     try:
-      out.append(None if got is None else float(_equivalent(got, meta['answer'], 1e-6, _undecided)))
+      out.append(0.0 if got is None else float(_equivalent(got, meta['answer'], 1e-6, _undecided)))
     except _Undecided:
       out.append(None)
       deferred.append((i, got))

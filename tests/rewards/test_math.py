@@ -185,7 +185,7 @@ def test_extraction(text, expected):
   assert extract_answer(text) == expected
 
 
-def test_math_answer_reward_scores_and_unscored():
+def test_math_answer_scores_and_no_answer_is_wrong():
   completions = [
     'Adding gives \\boxed{1,234}.',
     'The answer is 0.75',
@@ -193,7 +193,8 @@ def test_math_answer_reward_scores_and_unscored():
     'I do not know.',
   ]
   metadata = [{'answer': '1234'}, {'answer': '3/4'}, {'answer': '12'}, {'answer': '5'}]
-  assert math_answer([''] * 4, completions, metadata) == [1.0, 1.0, 0.0, None]
+  # No answer is the policy's doing: 0.0, never unscored (left out of the loss).
+  assert math_answer([''] * 4, completions, metadata) == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_normalize_is_idempotent():

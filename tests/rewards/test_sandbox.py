@@ -186,7 +186,8 @@ def test_code_tests_reward_is_registered_and_batched():
     'a, b = map(int, input().split())\nprint(a - -b)',
   ]
   meta = [{'tests': ADD_TESTS, 'limits': FAST_META}] * 3 + [{'tests': ADD_TESTS}]
-  assert fn(['p'] * 4, completions, meta) == [1.0, 0.0, None, 1.0]
+  # No code is the policy's doing: 0.0, never unscored (left out of the loss).
+  assert fn(['p'] * 4, completions, meta) == [1.0, 0.0, 0.0, 1.0]
   with pytest.raises(ValueError, match='no test case'):
     fn(['p'], ['print(1)'], [{'tests': []}])
 

@@ -318,8 +318,8 @@ def score_programs(
 @register('code_tests', uses_sandbox=True)
 def code_tests(prompts, completions, metadata):
   """The score of each completion's program on its row's tests (see the module);
-  None when the completion holds no code or its cases were left unrun by the
-  budget. Raises SandboxUnavailableError where the sandbox is not isolated,
+  0.0 when the completion holds no code; None when its cases were left unrun
+  by the budget. Raises SandboxUnavailableError where the sandbox is not isolated,
   ValueError for a row whose tests cannot be read (naming the field)."""
   del prompts
   check_sandbox()
@@ -336,7 +336,9 @@ def code_tests(prompts, completions, metadata):
       sources.append(source)
       tests.append(row_tests)
       limits.append(_row_limits(meta, cfg.case_wall_s))
-  scores = [None] * len(completions)
+  # A completion without code fails (its doing); None only for the budget's cut.
+  have = set(index)
+  scores = [None if i in have else 0.0 for i in range(len(completions))]
   left = time_left()  # the reward service's deadline for this chunk, if any
   budget_s = cfg.budget_s if left is None else min(cfg.budget_s, 0.9 * left)
   verdicts = score_programs(
