@@ -27,6 +27,11 @@ model's tokens only. The reward is the environment's: the final answer's
 score plus any step rewards. `demonstration_batch` builds the SFT warm-up's
 rows with the same masking (environment tokens are context, never targets).
 
+An episode its environment failed ('env_error', 'env_timeout',
+'env_invalid': a tool or server that raised, hung or answered garbage) is
+unscored: left out of the loss and of its group's statistics
+(`reward.unscored='drop'`), never trained as a 0 reward.
+
 Metrics: `env/turns`, `env/tool_calls`, `env/tool_failures`,
 `env/invalid_calls` (means per trajectory), `env/tool_use_rate` (share of
 trajectories with a successful tool call), `env/finish/<reason>`, and the
@@ -50,6 +55,8 @@ from jrl.trainers import checks, common, engines, rollout
 from jrl.trainers.evaluation.held_out import decode
 from jrl.trainers.setup import seed
 
+# Finish reasons that are the environment's failure, not the model's: unscored.
+ENV_FAILURES = ('env_error', 'env_timeout', 'env_invalid')
 # name -> (task with a `demonstration(example, use_tool)`, factory(tokenizer) -> Environment)
 ENVIRONMENTS = {'arith_tool': (arith_env.ArithToolTask, arith_env.make_env)}
 
@@ -395,7 +402,19 @@ class EpisodeWorker:
     gen_tokens = int(sum(len(c.tokens) - int(c.env_mask.sum()) for c in completions))
     metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
     metrics.update(rollout.version_metrics(completions, iteration))
-    return rollout.Rollout(batch, old_logp, rewards_np, version, metrics)
+    # An episode its environment failed (raised, hung, garbage, a dead tool
+    # server) is unscored, never a 0 reward: left out of the loss and of its
+    # group's statistics (reward.unscored='drop'), or trained at
+    # reward.unscored_value ('value').
+    failed = np.asarray([ep.reason in ENV_FAILURES for ep in episodes])
+    reward_config = self.config.reward
+    valid = ~failed
+    if reward_config.get('unscored', 'drop') != 'drop':
+      rewards_np = np.where(failed, reward_config.unscored_value, rewards_np).astype(np.float32)
+      valid = np.ones_like(failed)
+    metrics['samples/unscored'] = float(failed.sum())
+    metrics['samples/left_out'] = float((~valid).sum())
+    return rollout.Rollout(batch, old_logp, rewards_np, version, metrics, valid=valid)
 
   def evaluate(self, params, step=None):
     """Greedy held-out episodes of `params` (`step`: their policy version)."""

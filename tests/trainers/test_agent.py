@@ -238,6 +238,10 @@ def test_environments_that_raise_hang_or_return_garbage_end_only_their_trajector
   assert total['env/finish/env_error'] > 0
   assert total['env/finish/env_timeout'] > 0
   assert total['env/finish/env_invalid'] > 0
+  # The failed episodes are unscored: left out of the loss, never a 0 reward.
+  per_step = config.rl.prompts_per_step * config.rl.group_size
+  failed = sum(r[k] for r in rl for k in total if k.split('/')[-1] in episodes.ENV_FAILURES)
+  assert sum(r['samples/left_out'] for r in rl) == pytest.approx(failed * per_step)
 
 
 def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
