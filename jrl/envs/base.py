@@ -66,6 +66,12 @@ class Environment:
     del trajectory_text
     return 0.0
 
+  def finish(self, reason, last_turn_tokens):
+    """Called once the episode is over, whatever ended it (`reason`: a
+    FINISH_REASONS entry; the tokens of the turn in progress, [] if none):
+    release what waits on the episode (e.g. a black-box agent's request)."""
+    del reason, last_turn_tokens
+
 
 class EnvPool:
   """Environment steps on worker threads, so that decoding never waits for one.

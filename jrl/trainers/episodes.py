@@ -344,6 +344,12 @@ class EpisodeWorker:
             [int(t) for t in c.tokens if int(t) not in stops], skip_special_tokens=True
           )
           ep.reward += ep.env.final_reward(text)
+        finish = getattr(ep.env, 'finish', None)
+        if callable(finish):  # the episode is over: an environment may release what waits
+          try:
+            finish(ep.reason, [int(t) for t in c.tokens[ep.turn_start :]])
+          except Exception as e:  # its own episode's business, never the run's
+            ep.error = ep.error or f'finish: {type(e).__name__}: {e}'
         row.append((c, ep))
       out.append(row)
     return requests, out

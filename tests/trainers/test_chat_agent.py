@@ -10,6 +10,9 @@ tool's message; an answer ends the episode with its reward), never by
 the end-of-turn token taken as end-of-sequence.
 """
 
+import json
+import time
+
 import numpy as np
 import pytest
 
@@ -97,3 +100,56 @@ def test_the_environment_decides_at_the_models_turn_end(job):
     for completion, ep in row:
       if ep.reason == 'done':
         assert int(completion.tokens[-1]) == end
+
+
+def test_openai_client_agents_run_through_the_sampler(job, monkeypatch):
+  """The same task as black-box agents (`jrl.envs.openai_endpoint`): each
+  episode's agent talks to the endpoint with the `openai` client, and the
+  sampler answers all of them, batched, greedy here."""
+  openai = pytest.importorskip('openai', reason='the [openai] extra')
+  from jrl.envs import chat
+  from jrl.envs.openai_endpoint import AgentEndpoint, AgentEnv
+
+  _, job_, state = job
+  worker = job_.topology.worker
+  native = arith.make_chat_env(worker.tokenizer)
+  requests_seen = []
+
+  def agent(base_url, api_key, example):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [
+      {'role': 'system', 'content': native.system},
+      {'role': 'user', 'content': example['prompt']},
+    ]
+    tools = [chat.function_tool(arith.calculate).schema()]
+    for _ in range(3):
+      answer = client.chat.completions.create(model='policy', messages=messages, tools=tools)
+      requests_seen.append(api_key)
+      message = answer.choices[0].message
+      messages.append(message.model_dump(exclude_none=True))
+      if not message.tool_calls:
+        return float((message.content or '').strip() == example['answer'])
+      for call in message.tool_calls:
+        result = arith.calculate(**json.loads(call.function.arguments))
+        messages.append({'role': 'tool', 'tool_call_id': call.id, 'content': result})
+    return 0.0
+
+  endpoint = AgentEndpoint().start()
+  try:
+    monkeypatch.setattr(worker, 'make_env', lambda tok: AgentEnv(tok, endpoint, agent))
+    examples = worker.held_out[:2]
+    requests, results = worker.run_episodes(
+      state.params, examples, group_size=2, greedy=True, iteration=1, version=1
+    )
+  finally:
+    endpoint.close()
+  eps = [ep for row in results for _, ep in row]
+  for _ in range(100):  # the agents' threads read their last answers
+    if len(set(requests_seen)) == 4:
+      break
+    time.sleep(0.05)
+  assert len(set(requests_seen)) == 4  # four agents, each with its own key, all answered
+  assert set(ep.reason for ep in eps) <= {'done', 'length', 'max_turns'}, [ep.error for ep in eps]
+  # The prompts the agents opened are the native environment's, token for token.
+  for request, example in zip(requests, examples, strict=True):
+    assert list(request.prompt) == native.reset(example)
