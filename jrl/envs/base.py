@@ -55,11 +55,11 @@ class Environment:
 
   def reset(self, example):
     """Starts an episode for `example`; returns the prompt's token ids."""
-    raise NotImplementedError
+    raise NotImplementedError  # deliberate: the protocol; subclasses implement it
 
   def step(self, turn_tokens):
     """The model's latest turn (token ids, its stop token included) -> Step."""
-    raise NotImplementedError
+    raise NotImplementedError  # deliberate: the protocol; subclasses implement it
 
   def final_reward(self, trajectory_text):
     """Reward when the model ends the episode itself (end of sequence)."""
