@@ -3,6 +3,7 @@ tool), with the steps in a worker pool (parked samples, the others keep
 decoding) against each step waited for in the sampler's loop (see `run`).
 
     python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --max_new 128 --workers 16]
+    python launch/bench.py envs --mcp      # also each step as an MCP tool call (the [mcp] extra)
 """
 
 import statistics
@@ -30,6 +31,32 @@ def add_arguments(parser):
   parser.add_argument('--steps', type=int, default=8, help='decode steps per dispatch')
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--out', default='', help='write the figures as JSON here')
+  parser.add_argument(
+    '--mcp',
+    action='store_true',
+    help='also pooled with each step an MCP tool call (the [mcp] extra)',
+  )
+
+
+# The MCP server of the 'pooled, MCP' way: one tool that waits, asynchronously
+# (so that the server answers the parked samples' calls concurrently).
+MCP_SERVER = """
+import asyncio
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer('wait')
+
+
+@server.tool()
+async def wait(ms: float) -> str:
+  \"\"\"Answers after `ms` milliseconds.\"\"\"
+  await asyncio.sleep(ms / 1000)
+  return 'ok'
+
+
+if __name__ == '__main__':
+  server.run()
+"""
 
 
 def make_env_class():
@@ -52,6 +79,28 @@ def make_env_class():
       return Step(list(self.answer), done=self.turns > self.max_turns)
 
   return WaitingTool
+
+
+def make_mcp_env_class(tools):
+  """The same environment with its wait spent in an MCP tool call."""
+  from jrl.envs import Environment, Step
+
+  (wait,) = [t for t in tools.tools() if t.name == 'wait']
+
+  class MCPTool(Environment):
+    def __init__(self, wait_s, answer, max_turns):
+      self.wait_ms, self.answer, self.max_turns, self.turns = 1e3 * wait_s, answer, max_turns, 0
+
+    def reset(self, example):
+      self.turns = 0
+      return example
+
+    def step(self, turn_tokens):
+      assert wait.fn(ms=self.wait_ms) == 'ok'
+      self.turns += 1
+      return Step(list(self.answer), done=self.turns > self.max_turns)
+
+  return MCPTool
 
 
 def rollout(smp, params, requests, group, make_env, pool, parking, limits):
@@ -98,7 +147,9 @@ def run(args):
   - pooled: the steps in a pool of --workers threads (`jrl.envs.EnvPool`),
     the waiting sample parked with its pages while the others decode (the
     agent's default);
-  - no wait: inline with steps that answer at once, the bound both approach.
+  - no wait: inline with steps that answer at once, the bound both approach;
+  - pooled, MCP (--mcp): pooled, each step's wait an async tool of an MCP
+    server over stdio (`jrl.envs.mcp_tools`), the adapter's own cost.
 
   Figures: median seconds per rollout over --repeats (after one warm-up
   call that compiles), model tokens per second (environment tokens not
@@ -143,10 +194,22 @@ def run(args):
   pool = EnvPool(args.workers)
   limits = dict(timeout_s=60.0, vocab_size=vocab, max_tokens=args.env_tokens)
   ways = {
-    'inline': (args.env_ms / 1e3, False),
-    'pooled': (args.env_ms / 1e3, True),
-    'no wait': (0.0, False),
+    'inline': (args.env_ms / 1e3, False, env_class),
+    'pooled': (args.env_ms / 1e3, True, env_class),
+    'no wait': (0.0, False, env_class),
   }
+  mcp_tools = None
+  if args.mcp:
+    import os
+    import tempfile
+
+    from jrl.envs import mcp_tools as mcp_module
+
+    script = os.path.join(tempfile.mkdtemp(prefix='jrl_bench_mcp_'), 'server.py')
+    with open(script, 'w') as f:
+      f.write(MCP_SERVER)
+    mcp_tools = mcp_module.MCPTools(mcp_module.python_server(script), call_timeout_s=60)
+    ways['pooled, MCP'] = (args.env_ms / 1e3, True, make_mcp_env_class(mcp_tools))
   print(
     f'envs: {config.num_params() / 1e6:.1f}M-param random model, {args.prompts} prompts x '
     f'G={g} ({slots} slots), up to {args.max_new} new tokens, turns of ~{args.turn_len} '
@@ -154,10 +217,10 @@ def run(args):
     f'workers, backend {jax.default_backend()}'
   )
   figures, reference = {}, None
-  for name, (wait_s, parking) in ways.items():
+  for name, (wait_s, parking, cls) in ways.items():
 
-    def make_env(wait_s=wait_s):
-      return env_class(wait_s, answer, args.max_turns)
+    def make_env(wait_s=wait_s, cls=cls):
+      return cls(wait_s, answer, args.max_turns)
 
     rollout(smp, params, requests, g, make_env, pool, parking, limits)  # compiles
     times, stats = [], []
@@ -194,4 +257,9 @@ def run(args):
   ratio = figures['pooled']['tokens_per_s'] / figures['inline']['tokens_per_s']
   print(f'pooled / inline: x{ratio:.2f} model tokens/s')
   figures['pooled_over_inline'] = ratio
+  if mcp_tools is not None:
+    mcp_tools.close()
+    ratio = figures['pooled, MCP']['tokens_per_s'] / figures['pooled']['tokens_per_s']
+    print(f'pooled, MCP / pooled: x{ratio:.2f} model tokens/s')
+    figures['mcp_over_pooled'] = ratio
   common.write_json(args.out, dict(args=vars(args), figures=figures))
