@@ -23,6 +23,9 @@ render splits it into other tokens (the model sampled a non-canonical
 tokenisation, or a boundary merges). The sequence keeps the sampled tokens
 in every case (what the trainer trains on is what the sampler produced);
 `on_rewrite='end'` ends the episode instead of going on after a rewrite.
+The text of special tokens in an added message's content is removed before
+rendering (`stats['special_removed']`), so a tool result cannot forge a
+turn boundary.
 
 Tool calls are parsed from the model's own format by family
 (`template_family`): 'hermes' (Qwen 2.5 / 3, Hermes: JSON in
@@ -275,6 +278,16 @@ def turn_prefix(tokenizer):
   return head[len(prompt) :] if head.startswith(prompt) else ''
 
 
+def special_texts(tokenizer):
+  """The text of every special token the tokenizer encodes from text (e.g.
+  '<|im_end|>'), longest first; () for tokenizers without added tokens."""
+  inner = getattr(tokenizer, '_tok', None)
+  if inner is None or not hasattr(inner, 'get_added_tokens_decoder'):
+    return ()
+  texts = {t.content for t in inner.get_added_tokens_decoder().values() if t.special}
+  return tuple(sorted(texts, key=len, reverse=True))
+
+
 class Conversation:
   """An episode's messages and its exact token sequence (see the module).
 
@@ -314,6 +327,7 @@ class Conversation:
     self.messages = messages
     self.end_text, self.end_id = turn_end(tokenizer)
     self.turn_prefix = turn_prefix(tokenizer)
+    self.specials = special_texts(tokenizer)
     self.text = self._render(messages, True)
     self.ids = list(tokenizer.encode(self.text))
     self.stats = collections.Counter()
@@ -346,14 +360,28 @@ class Conversation:
       return {'role': 'user', 'content': body}
     return {'role': 'tool', 'name': call.name or '', 'tool_call_id': call.id, 'content': result}
 
+  def _inert(self, message):
+    """`message` with the text of special tokens removed from its content: a
+    tool result or an agent's message cannot forge a turn boundary (counted
+    as `stats['special_removed']`)."""
+    content = message.get('content')
+    if not isinstance(content, str):
+      return dict(message)
+    for text in self.specials:
+      if text in content:
+        self.stats['special_removed'] += content.count(text)
+        content = content.replace(text, '')
+    return {**message, 'content': content}
+
   def append(self, new_messages):
     """The tokens that add `new_messages` after the sequence, up to the
     model's next turn (the generation prompt); checked against a full
     render (`stats`). Raises RenderError when the template cannot append
     them (rendering them drops an earlier turn), or on a rewrite with
     `on_rewrite='end'`."""
+    new_messages = [self._inert(m) for m in new_messages]
     before = self._render(self.messages, False)
-    after = self._render(self.messages + list(new_messages), True)
+    after = self._render(self.messages + new_messages, True)
     # The new messages' text: what follows, in `after`, the end of the turn
     # that ends `before` (the n-th end token; earlier turns may render
     # differently there, e.g. without their reasoning), then what the
