@@ -3,8 +3,9 @@ installed (README: "An outside rollout engine: vLLM"), with
 
     pytest -m vllm -n 0 tests/third_party
 
-CI does not run them (skipped: vLLM is not installed there). In an
-environment of their own, from the checkout's root:
+Skipped where vLLM is not installed; CI (`.ci/run`) runs them after the
+suite in an environment of their own, as this does from the checkout's
+root:
 
     python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && \
       pip install -e ".[test,vllm]" && pip uninstall -y torchvision torchaudio torchcodec && \
