@@ -87,7 +87,7 @@ _MAX_DEPTH = 100
 
 
 class _Unencodable(Exception):
-  pass
+  pass  # deliberate: a marker exception
 
 
 _BASES = (
@@ -228,7 +228,8 @@ def _child(code, job, result_w, devnull, input_fd, max_fd):
     os._exit(70)
   code_ok = 0
   try:
-    exec(code, {'__name__': '__main__', '__builtins__': builtins, '__file__': 'solution.py'})
+    main = {'__name__': '__main__', '__builtins__': builtins, '__file__': 'solution.py'}
+    exec(code, main)  # deliberate: inside the sandbox
   except SystemExit as e:
     code_ok = 0 if e.code in (None, 0) else 1
   except BaseException:
@@ -277,7 +278,7 @@ def serve(req_r, resp_w):
     with open('solution.py', encoding='utf-8', errors='surrogatepass') as f:
       code = compile(f.read(), 'solution.py', 'exec', dont_inherit=True)
     namespace = {'__name__': 'solution', '__builtins__': builtins, '__file__': 'solution.py'}
-    exec(code, namespace)
+    exec(code, namespace)  # deliberate: inside the sandbox
   except BaseException:
     os._exit(1)  # the check sees the pipe close: its call fails
   requests = open(req_r, 'rb', closefd=False)
@@ -322,7 +323,7 @@ def _check_client(job, names, req_w, resp_r, result_w, devnull, max_fd):
   try:
     namespace = {'__name__': 'check', '__builtins__': builtins}
     namespace.update({name: stub(name) for name in names})
-    exec(job['check_code'], namespace)
+    exec(job['check_code'], namespace)  # deliberate: inside the sandbox
     namespace['check'](namespace[job['entry']])
     payload = _dumps({'ok': True})
   except SystemExit as e:
@@ -358,7 +359,7 @@ def _call_child(code, job, cases, result_w, devnull, max_fd):
     os._exit(70)
   try:
     namespace = {'__name__': 'solution', '__builtins__': builtins, '__file__': 'solution.py'}
-    exec(code, namespace)
+    exec(code, namespace)  # deliberate: inside the sandbox
     cls = namespace.get(job['cls']) if job.get('cls') else None
     fn = None if isinstance(cls, type) else namespace[job['fn']]
   except BaseException as e:
