@@ -80,7 +80,7 @@ def read_message(stream):
   if len(header) < 8:
     return None
   (n,) = struct.unpack('<Q', header)
-  return pickle.loads(stream.read(n))
+  return pickle.loads(stream.read(n))  # deliberate: the trainer's own worker pipes only
 
 
 def write_message(stream, message):

@@ -108,7 +108,7 @@ class Colocated:
     del checkpointer, step, meta, params
 
   def close(self):
-    pass
+    pass  # deliberate: the colocated topology holds no background rollout
 
 
 class Disaggregated(Colocated):

@@ -39,7 +39,7 @@ class Converted(NamedTuple):
 
 
 class _NotLiteral(ValueError):
-  pass
+  pass  # deliberate: a marker exception
 
 
 _BINOPS = {

@@ -263,7 +263,7 @@ class RemoteRewardService:
     )
 
   def close(self):
-    pass
+    pass  # deliberate: a remote service holds nothing to release
 
   def __enter__(self):
     return self
