@@ -545,6 +545,8 @@ def agent_section():
   a.trainer = 'grpo'  # 'grpo' (rl.advantage) or 'ppo' (critic + GAE; add a `ppo` section)
   a.max_turns = 4  # tool calls per trajectory before it is ended
   a.step_timeout_s = 10.0  # per environment step; a late step ends its trajectory
+  # wall-clock seconds from an episode's reset to its last step's answer; 0: no limit
+  a.episode_timeout_s = 0.0
   a.max_env_tokens = 16  # longest environment answer (tokens)
   # threads running environment steps; a waiting sample is parked and the others keep
   # decoding. 0: each step is waited for in the sampler's loop (same trajectories, slower)

@@ -52,6 +52,9 @@ class Environment:
   """
 
   turn_stop_tokens: tuple = ()
+  # True: `step` is called as step(turn_tokens, logprobs=...) with the turn's
+  # per-token logprobs as the sampler drew them (e.g. to report them to an agent).
+  wants_logprobs: bool = False
 
   def reset(self, example):
     """Starts an episode for `example`; returns the prompt's token ids."""
@@ -97,8 +100,9 @@ class EnvPool:
     self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
     self._lock = threading.Lock()
 
-  def submit(self, env, turn_tokens, *, timeout_s, vocab_size, max_tokens):
-    """`env.step(turn_tokens)` in a worker; a Future of (Step | None, reason | None, message)."""
+  def submit(self, env, turn_tokens, *, timeout_s, vocab_size, max_tokens, logprobs=None):
+    """`env.step(turn_tokens)` in a worker; a Future of (Step | None, reason | None, message).
+    `logprobs` (the turn's, [len(turn_tokens)]) go to an env with `wants_logprobs`."""
     out = concurrent.futures.Future()
     out.set_running_or_notify_cancel()
 
@@ -116,7 +120,11 @@ class EnvPool:
 
     def work():
       try:
-        outcome = check_step(env.step(tokens), vocab_size=vocab_size, max_tokens=max_tokens)
+        if getattr(env, 'wants_logprobs', False):
+          step = env.step(tokens, logprobs=None if logprobs is None else list(map(float, logprobs)))
+        else:
+          step = env.step(tokens)
+        outcome = check_step(step, vocab_size=vocab_size, max_tokens=max_tokens)
       except Exception as e:
         outcome = (None, 'env_error', f'{type(e).__name__}: {e}')
       timer.cancel()
@@ -151,7 +159,7 @@ class EnvPool:
 _POOL = EnvPool(8)
 
 
-def run_step(env, turn_tokens, *, timeout_s, vocab_size, max_tokens):
+def run_step(env, turn_tokens, *, timeout_s, vocab_size, max_tokens, logprobs=None):
   """`env.step(turn_tokens)` with a deadline and checks, waited for.
 
   Returns:
@@ -163,7 +171,12 @@ def run_step(env, turn_tokens, *, timeout_s, vocab_size, max_tokens):
   what happens to a step past its deadline.
   """
   return _POOL.submit(
-    env, turn_tokens, timeout_s=timeout_s, vocab_size=vocab_size, max_tokens=max_tokens
+    env,
+    turn_tokens,
+    timeout_s=timeout_s,
+    vocab_size=vocab_size,
+    max_tokens=max_tokens,
+    logprobs=logprobs,
   ).result()
 
 

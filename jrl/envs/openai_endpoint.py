@@ -31,10 +31,20 @@ What is checked and how failures end: a request whose history differs
 from what the episode recorded (an agent that edits or drops earlier
 messages) is answered with HTTP 409 and ends its episode ('env_error',
 counted as unscored); so does an agent that raises, or does not send its
-next request or return within `turn_timeout_s`. Sampling follows the
-trainer's config: a request's `temperature`, `top_p` and `max_tokens` are
-not applied (the response says so in `system_fingerprint`), and `n` > 1 or
-`stream` are refused with HTTP 400. Per-token logprobs are not returned.
+next request or return within `turn_timeout_s`.
+
+What a request may ask: `tools` (declared to the template on the first
+request), `logprobs: true` (each token of the turn with the logprob the
+sampler drew it with, the turn's end token included: the numbers the
+trainer's importance ratios start from), `stream: true` (server-sent
+events: the answer's chunks once the turn is sampled, then `[DONE]`;
+`stream_options.include_usage` adds the usage chunk). Sampling follows the
+trainer's config, since the tokens are trained as samples of that
+distribution: a request's `temperature`, `top_p` and `max_tokens` are not
+applied (`system_fingerprint` says so), `top_logprobs` > 0 is refused (the
+sampler keeps the drawn token's logprob only), and so is `n` > 1 (an
+episode is one trajectory; a group's samples are `rl.group_size` episodes,
+each its own agent run), with HTTP 400 naming the field.
 """
 
 import dataclasses
@@ -104,15 +114,73 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return self._error(400, 'a body with a "messages" list is needed')
     except ValueError as e:
       return self._error(400, f'bad JSON: {e}')
-    if body.get('n', 1) != 1 or body.get('stream'):
-      return self._error(400, 'n > 1 and stream are not supported by this endpoint')
+    refused = _refused(body)
+    if refused:
+      return self._error(400, refused)
     pending = Pending(body)
     episode.inbox.put(pending)
     try:
       status, payload = pending.reply.get(timeout=self.endpoint.reply_timeout_s)
     except queue.Empty:
       return self._error(504, 'the sampler did not answer in time')
+    if status == 200 and body.get('stream'):
+      usage = (body.get('stream_options') or {}).get('include_usage', False)
+      return self._stream(_chunks(payload, usage))
     self._send(status, payload)
+
+  def _stream(self, chunks):
+    """Server-sent events: each chunk, then [DONE]; the connection closes after."""
+    self.send_response(200)
+    self.send_header('Content-Type', 'text/event-stream')
+    self.send_header('Cache-Control', 'no-cache')
+    self.send_header('Connection', 'close')
+    self.end_headers()
+    for chunk in chunks:
+      self.wfile.write(b'data: ' + json.dumps(chunk).encode() + b'\n\n')
+    self.wfile.write(b'data: [DONE]\n\n')
+    self.wfile.flush()
+    self.close_connection = True
+
+
+def _refused(body):
+  """Why the endpoint cannot serve `body` as asked (a message naming the
+  field), or ''."""
+  n = body.get('n', 1)
+  if n not in (None, 1):
+    return (
+      f'`n` = {n!r}: an episode is one trajectory; several samples of a prompt are '
+      'rl.group_size episodes, each its own agent run'
+    )
+  top = body.get('top_logprobs') or 0
+  if top:
+    return f'`top_logprobs` = {top!r}: the sampler keeps the logprob of the drawn token only'
+  if body.get('stream_options') is not None and not isinstance(body['stream_options'], dict):
+    return '`stream_options` must be an object'
+  return ''
+
+
+def _chunks(payload, include_usage):
+  """A chat completion as the chunks of a stream (`chat.completion.chunk`):
+  the role, the content (with its logprobs), each tool call, the finish
+  reason, and the usage if asked."""
+  (choice,) = payload['choices']
+  message = choice['message']
+  head = {k: payload[k] for k in ('id', 'created', 'model', 'system_fingerprint')}
+  head['object'] = 'chat.completion.chunk'
+
+  def chunk(delta, finish_reason=None, logprobs=None):
+    c = {'index': 0, 'delta': delta, 'finish_reason': finish_reason, 'logprobs': logprobs}
+    return {**head, 'choices': [c]}
+
+  out = [chunk({'role': 'assistant', 'content': ''})]
+  if message.get('content') or choice.get('logprobs'):
+    out.append(chunk({'content': message.get('content') or ''}, logprobs=choice.get('logprobs')))
+  for k, call in enumerate(message.get('tool_calls') or []):
+    out.append(chunk({'tool_calls': [{'index': k, **call}]}))
+  out.append(chunk({}, finish_reason=choice['finish_reason']))
+  if include_usage:
+    out.append({**head, 'choices': [], 'usage': payload['usage']})
+  return out
 
 
 class AgentEndpoint:
@@ -212,6 +280,7 @@ class AgentEnv(Environment):
     probe = Conversation(tokenizer, [{'role': 'user', 'content': 'x'}], **self.options)
     self.turn_stop_tokens = (probe.end_id,)
     self.episode = self.conversation = self.pending = None
+    self.turn_logprobs = None  # the latest turn's, from the sampler (`wants_logprobs`)
     self.sent = []  # the conversation as the agent sees it
     self.example = None
     self.failure = None
@@ -246,7 +315,24 @@ class AgentEnv(Environment):
     except queue.Empty:
       return ('error', f'the agent sent no request and did not return in {self.turn_timeout_s} s')
 
-  def _answer(self, message, calls, n_turn, finish_reason=None):
+  wants_logprobs = True
+
+  def _logprobs(self, turn_ids):
+    """The turn's tokens and the logprobs they were drawn with, in the API's
+    shape ({'content': [{token, logprob, bytes, top_logprobs}]}), or None
+    when the sampler gave none for it (a turn cut by the episode's end)."""
+    lps = self.turn_logprobs
+    if lps is None or len(lps) != len(turn_ids):
+      return None
+    content = []
+    for token, lp in zip(turn_ids, lps, strict=True):
+      text = self.tokenizer.decode([int(token)])
+      content.append(
+        {'token': text, 'logprob': float(lp), 'bytes': list(text.encode()), 'top_logprobs': []}
+      )
+    return {'content': content, 'refusal': None}
+
+  def _answer(self, message, calls, turn_ids, finish_reason=None):
     content, _ = parse_tool_calls(message['content'], self.conversation.family)
     tool_calls = [
       {
@@ -261,7 +347,9 @@ class AgentEnv(Environment):
     if tool_calls:
       reply['tool_calls'] = tool_calls
     self.sent.append(reply)
+    n_turn = len(turn_ids)
     prompt = len(self.conversation.ids) - n_turn
+    logprobs = self._logprobs(turn_ids) if self.pending.body.get('logprobs') else None
     payload = {
       'id': 'chatcmpl-' + secrets.token_hex(8),
       'object': 'chat.completion',
@@ -273,7 +361,7 @@ class AgentEnv(Environment):
           'index': 0,
           'message': reply,
           'finish_reason': finish_reason or ('tool_calls' if tool_calls else 'stop'),
-          'logprobs': None,
+          'logprobs': logprobs,
         }
       ],
       'usage': {
@@ -285,12 +373,13 @@ class AgentEnv(Environment):
     self.pending.reply.put((200, payload))
     self.pending = None
 
-  def step(self, turn_tokens):
+  def step(self, turn_tokens, logprobs=None):
     if self.failure is not None:
       self.endpoint.close_episode(self.episode)
       raise RuntimeError(self.failure)
+    self.turn_logprobs = logprobs
     message, calls = self.conversation.add_turn(turn_tokens)
-    self._answer(message, calls, len(turn_tokens))
+    self._answer(message, calls, list(turn_tokens))
     outcome = self._next()
     if not isinstance(outcome, Pending):
       self.endpoint.close_episode(self.episode)
@@ -335,7 +424,8 @@ class AgentEnv(Environment):
     if self.pending is not None and self.conversation is not None:
       text = self.tokenizer.decode(last_turn_tokens)
       message = {'role': 'assistant', 'content': text}
-      self._answer(message, [], len(last_turn_tokens), finish_reason='length')
+      self.turn_logprobs = None
+      self._answer(message, [], list(last_turn_tokens), finish_reason='length')
     if self.episode is not None:
       self.endpoint.close_episode(self.episode)
     del reason

@@ -317,9 +317,10 @@ class Sampler:
         G samples (True), or G independent prefills (False).
       state: a DecodeState to start from (default: a fresh one), with the
         leading [R] replica axis of `init_state`.
-      on_turn_end: multi-turn. Called as `on_turn_end(i, g, tokens)` when
-        sample g of request i stops on one of its stop tokens (`tokens`:
-        everything after the prompt so far, the stop token last). It
+      on_turn_end: multi-turn. Called as `on_turn_end(i, g, tokens,
+        logprobs)` when sample g of request i stops on one of its stop
+        tokens (`tokens`: everything after the prompt so far, the stop token
+        last; `logprobs`: theirs, as `Completion.logprobs`). It
         returns environment tokens to append (the sample then continues on
         its cached pages: the tokens are fed through the decode loop, the
         prefix is not recomputed), or a finish reason (str) to end the

@@ -8,8 +8,9 @@ closing `}`) or end of sequence; the environment answers with tokens that
 the sampler appends on the sequence's cached pages; this repeats until the
 model ends its answer, the environment ends the episode, or a limit is hit
 (`agent.max_turns`, the token budget `task.max_response_len`, the per-step
-timeout `agent.step_timeout_s`). An environment that raises, hangs or
-returns garbage ends only its own trajectory, with the reason counted.
+timeout `agent.step_timeout_s`, the episode's `agent.episode_timeout_s`).
+An environment that raises, hangs or returns garbage ends only its own
+trajectory, with the reason counted.
 
 Environment steps run in a pool of `agent.env_workers` threads
 (`jrl.envs.EnvPool`): while one sample waits for its tool, its slot is
@@ -146,6 +147,7 @@ SECTION = checks.Section(
   {
     'agent.max_turns': checks.count(1),
     'agent.step_timeout_s': checks.positive(),
+    'agent.episode_timeout_s': checks.non_negative(),
     'agent.max_env_tokens': checks.count(1),
     'agent.env_workers': checks.count(0),
     'agent.sft_tool_frac': checks.fraction(),
@@ -165,6 +167,11 @@ class Episode:
     self.info = collections.Counter()
     self.reason = None
     self.error = ''
+    self.started = time.monotonic()  # `agent.episode_timeout_s` counts from here
+
+  def time_left(self, limit_s):
+    """Seconds left of an episode limit of `limit_s` (0: none; inf)."""
+    return limit_s - (time.monotonic() - self.started) if limit_s else float('inf')
 
 
 def episode_metrics(episodes, rewards):
@@ -296,7 +303,7 @@ class EpisodeWorker:
       ep.turn_start = end + len(step.tokens)
       return list(step.tokens)
 
-    def on_turn_end(i, g, tokens):
+    def on_turn_end(i, g, tokens, logprobs=None):
       ep = episodes[i][g]
       if int(tokens[-1]) in stops and int(tokens[-1]) not in self.turn_stops:
         return 'stop'  # the model ended its answer (a chat turn's end: the environment says)
@@ -304,12 +311,17 @@ class EpisodeWorker:
       if ep.turns > ac.max_turns:
         ep.reason = 'max_turns'
         return ep.reason
+      left = ep.time_left(ac.get('episode_timeout_s', 0.0))
+      if left <= 0:
+        ep.reason, ep.error = 'env_timeout', 'the episode ran past `agent.episode_timeout_s`'
+        return ep.reason
       outcome = self.pool.submit(
         ep.env,
         [int(t) for t in tokens[ep.turn_start :]],
-        timeout_s=ac.step_timeout_s,
+        timeout_s=min(ac.step_timeout_s, left),
         vocab_size=self.vocab_size,
         max_tokens=ac.max_env_tokens,
+        logprobs=None if logprobs is None else logprobs[ep.turn_start :],
       )
       if not self.parking:
         return settle(ep, len(tokens), outcome.result())

@@ -4,6 +4,8 @@ decoding) against each step waited for in the sampler's loop (see `run`).
 
     python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --max_new 128 --workers 16]
     python launch/bench.py envs --mcp      # also each step as an MCP tool call (the [mcp] extra)
+    python launch/bench.py envs --openai   # chat episodes: tokens, messages, an agent
+                                           # through the endpoint (benches/envs_chat.py)
 """
 
 import statistics
@@ -35,6 +37,12 @@ def add_arguments(parser):
     '--mcp',
     action='store_true',
     help='also pooled with each step an MCP tool call (the [mcp] extra)',
+  )
+  parser.add_argument(
+    '--openai',
+    action='store_true',
+    help='chat episodes instead: token level, message level and an openai-client agent '
+    'through the endpoint (the [openai] extra; launch/benches/envs_chat.py)',
   )
 
 
@@ -122,7 +130,7 @@ def rollout(smp, params, requests, group, make_env, pool, parking, limits):
     start_of_turn[key] = end + len(step.tokens)
     return list(step.tokens)
 
-  def on_turn_end(i, g, tokens):
+  def on_turn_end(i, g, tokens, logprobs=None):
     turn = tokens[start_of_turn.get((i, g), 0) :]
     outcome = pool.submit(envs[i][g], turn, **limits)
     if not parking:
@@ -158,6 +166,10 @@ def run(args):
   of the three are checked equal (a sample's tokens depend on its seed and
   position only).
   """
+  if args.openai:
+    from launch.benches import envs_chat
+
+    return envs_chat.run(args)
   from jrl import models, sampler
   from jrl.envs import EnvPool
 

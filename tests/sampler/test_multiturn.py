@@ -61,15 +61,17 @@ def test_continuing_on_cached_pages_equals_recomputing_the_prefix(p):
   stop = stop_token_for(prompt)
   calls = []
 
-  def on_turn_end(i, g, tokens):
-    calls.append(list(tokens))
+  def on_turn_end(i, g, tokens, logprobs):
+    calls.append((list(tokens), np.array(logprobs)))
     return ENV if len(calls) == 1 else 'done'
 
   request = Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, stop_tokens=(stop,))
   (c,) = SAMPLER.generate(PARAMS, [request], on_turn_end=on_turn_end)[0]
-  first = calls[0]
+  first, first_logprobs = calls[0]
   assert first[-1] == stop
   n1 = len(first)
+  # The turn's logprobs, as the completion records them.
+  np.testing.assert_array_equal(first_logprobs, c.logprobs[:n1])
   # Trajectory layout: first turn, the environment's tokens, then the next turn.
   np.testing.assert_array_equal(c.tokens[:n1], first)
   np.testing.assert_array_equal(c.tokens[n1 : n1 + len(ENV)], ENV)
@@ -98,7 +100,7 @@ def test_groups_and_queueing_with_turns_complete_every_request():
   ]
   turns = {}
 
-  def on_turn_end(i, g, tokens):
+  def on_turn_end(i, g, tokens, logprobs):
     turns[(i, g)] = turns.get((i, g), 0) + 1
     return ENV[: 1 + turns[(i, g)]] if turns[(i, g)] < 3 else 'max_turns'
 
@@ -125,7 +127,7 @@ def test_environment_answer_too_long_ends_the_sample_with_length():
   (c,) = SAMPLER.generate(
     PARAMS,
     [Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, stop_tokens=(stop,))],
-    on_turn_end=lambda i, g, tokens: [50] * (FORCED + 1),
+    on_turn_end=lambda i, g, tokens, logprobs: [50] * (FORCED + 1),
   )[0]
   assert c.finish_reason == 'length' and not c.env_mask.any()
 
@@ -147,7 +149,7 @@ def _turn_requests():
   ]
 
 
-def _answer(i, g, tokens):
+def _answer(i, g, tokens, logprobs=None):
   """A deterministic environment: its answer depends on the turn only."""
   n = int(np.sum(tokens)) % 3
   return ENV[: 1 + n] if len(tokens) < MAX_NEW - 8 else 'done'
@@ -184,7 +186,7 @@ def test_parked_samples_sample_what_inline_answers_sample():
   # decoding meanwhile).
   both = threading.Barrier(2)
 
-  def later(i, g, tokens):
+  def later(i, g, tokens, logprobs):
     with lock:
       calls.append(i)
       first_two = len(calls) <= 2
@@ -197,7 +199,7 @@ def test_parked_samples_sample_what_inline_answers_sample():
         except threading.BrokenBarrierError:
           pass  # the parked-peak assertion below says what went wrong
       time.sleep(0.2 if first_two else delay)
-      return _answer(i, g, tokens)
+      return _answer(i, g, tokens, logprobs)
 
     return pool.submit(answer)
 
@@ -231,11 +233,11 @@ def test_other_samples_keep_decoding_while_one_waits_for_its_environment():
       time.sleep(0.002)
     return 'env_timeout'
 
-  def on_turn_end(i, g, tokens):
+  def on_turn_end(i, g, tokens, logprobs):
     if (i, g) == (0, 0) and 'parked_at' not in seen:
       seen['parked_at'] = SAMPLER.stats.dispatches
       return pool.submit(wait_for_dispatches)
-    return _answer(i, g, tokens)
+    return _answer(i, g, tokens, logprobs)
 
   groups = SAMPLER.generate(PARAMS, requests, group_size=2, on_turn_end=on_turn_end)
   pool.shutdown()
@@ -249,7 +251,7 @@ def test_other_samples_keep_decoding_while_one_waits_for_its_environment():
 def test_an_answer_that_raises_reaches_the_caller():
   import concurrent.futures
 
-  def broken(i, g, tokens):
+  def broken(i, g, tokens, logprobs):
     future = concurrent.futures.Future()
     future.set_exception(RuntimeError('bug in the answer'))
     return future

@@ -7,6 +7,7 @@ it returned and the trainer's batch to see what it trained on.
 
 import itertools
 import random
+import re
 import time
 
 import jax
@@ -190,6 +191,43 @@ def test_pooled_environments_give_the_trajectories_of_inline_stepping(agent_run,
       np.testing.assert_array_equal(a.tokens, b.tokens)
       assert (a.finish_reason, ea.reason, ea.turns) == (b.finish_reason, eb.reason, eb.turns)
       assert (ea.reward, dict(ea.info)) == (eb.reward, dict(eb.info))
+
+
+def test_an_episode_past_its_time_limit_ends_with_env_timeout(agent_run, monkeypatch):
+  # Each step takes 0.3 s, under `agent.step_timeout_s` (10 s) but past the
+  # episode's limit (0.2 s): an episode that calls its tool ends there,
+  # unscored, at the episode's deadline rather than the step's.
+  job, _, _, state = agent_run
+  worker = job.topology.worker
+  monkeypatch.setattr(worker, 'pool', EnvPool(16))  # the run closed its own
+  config = worker.config.copy_and_resolve_references()
+  with config.unlocked():
+    config.agent.episode_timeout_s = 0.2
+  monkeypatch.setattr(worker, 'config', config)
+
+  def slow_env(tokenizer):
+    env = make_arith_env(tokenizer)
+    step = env.step
+
+    def slow_step(turn):
+      time.sleep(0.3)
+      return step(turn)
+
+    env.step = slow_step
+    return env
+
+  monkeypatch.setattr(worker, 'make_env', slow_env)
+  _, results = worker.run_episodes(
+    state.params, worker.held_out[:4], group_size=4, greedy=False, iteration=9, version=9
+  )
+  eps = [ep for row in results for _, ep in row]
+  timed_out = [ep for ep in eps if ep.reason == 'env_timeout']
+  assert timed_out and all(ep.turns >= 1 for ep in timed_out)
+  assert all(ep.reason != 'env_timeout' for ep in eps if ep.turns == 0)
+  # Each step's deadline was what was left of the episode's 0.2 s, never 10 s.
+  for ep in timed_out:
+    deadline = re.fullmatch(r'no answer within ([0-9.e-]+) s', ep.error)
+    assert 'episode_timeout_s' in ep.error or float(deadline[1]) <= 0.2, ep.error
 
 
 class Flaky:
