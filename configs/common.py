@@ -119,7 +119,8 @@ def model_section():
 def task_section():
   """The examples and their lengths: every algorithm."""
   s = ml_collections.ConfigDict()
-  # 'arith' (generated), 'arith_tool' (agentic, generated) or 'file' (alias 'jsonl'):
+  # 'arith' (generated), 'arith_tool' (agentic, generated), 'reasoning_gym' (reasoning-gym's
+  # task sets, `reasoning_gym` below) or 'file' (alias 'jsonl'):
   # prompt files, JSONL or Parquet (by the '.parquet' extension); or an import path
   # 'package.module:function' of fn(task config) -> (train rows, held-out rows)
   # (docs/your_own_dataset.md)
@@ -135,8 +136,8 @@ def task_section():
   # arith: answers written units digit first (47+85=231), the order in which addition
   # computes them
   s.reverse_answers = False
-  s.train_seed = 0  # arith: seed of the training problems
-  s.eval_seed = 1  # arith: seed of the held-out problems
+  s.train_seed = 0  # arith, reasoning_gym: seed of the training problems
+  s.eval_seed = 1  # arith, reasoning_gym: seed of the held-out problems
   s.eval_size = 200  # held-out examples
   s.train_path = ''  # file: training rows, .jsonl or .parquet
   s.eval_path = ''  # file: held-out rows
@@ -156,6 +157,32 @@ def task_section():
   # the experiment file, then `--config.task.chat_template_kwargs.KEY=...` overrides them
   s.chat_template_kwargs = ml_collections.ConfigDict()
   s.add_bos = False  # prepend the tokenizer's bos token
+  s.reasoning_gym = reasoning_gym_section()
+  return s
+
+
+def reasoning_gym_section():
+  """`task.reasoning_gym`: reasoning-gym's task sets (jrl/data/reasoning_gym.py)."""
+  s = ml_collections.ConfigDict()
+  # a dataset ('chain_sum') or a weighted mixture ('basic_arithmetic:1,chain_sum:0.5')
+  s.datasets = 'basic_arithmetic'
+  # settings.<dataset>.<field>: the dataset's own config fields (set the keys in the
+  # experiment file, then `--config.task.reasoning_gym.settings.chain_sum.max_terms=4`)
+  s.settings = ml_collections.ConfigDict()
+  s.size = 10_000  # entries per dataset that training draws from (and held-out's seed stride)
+  # how the reward reads the answer: 'answer_tag' (the last <answer>...</answer>,
+  # reasoning-gym's convention) | 'last_line' | 'whole' (the completion)
+  s.answer = 'answer_tag'
+  s.threshold = optional()  # None: the dataset's score, partial credit kept; t: 1 if >= t else 0
+  # allow datasets whose scorer runs the answer through eval / sympy (code from the policy)
+  s.unsafe_scorers = False
+  s.curriculum = ml_collections.ConfigDict()
+  # a dataset whose mean score over its last `window` completions reaches this rises a
+  # level of reasoning-gym's curriculum (None: no curriculum, the settings as given)
+  s.curriculum.raise_at = optional()
+  s.curriculum.lower_at = optional()  # ... falls a level at or below this (None: never)
+  s.curriculum.window = 64  # completions
+  s.curriculum.start_level = 0  # every dataset's first level (held-out problems use it)
   return s
 
 

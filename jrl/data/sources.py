@@ -25,10 +25,17 @@ import os
 from typing import NamedTuple
 
 import grain
+import numpy as np
 
 
 class PromptStream:
-  """An endless, deterministic, checkpointable stream of examples."""
+  """An endless, deterministic, checkpointable stream of examples.
+
+  A generated source may also see how its examples scored, e.g. to move a
+  curriculum (`jrl.data.reasoning_gym`): `observe(examples, per_fn, total)
+  -> metrics`, with `state()` / `restore(state)` for what that changes
+  (saved beside the position in checkpoints).
+  """
 
   def __init__(self, source, *, seed, shuffle=True):
     """
@@ -38,7 +45,8 @@ class PromptStream:
       seed: shuffle seed.
       shuffle: shuffle a finite source (reshuffled every epoch).
     """
-    if hasattr(source, 'example'):
+    self._source = source if hasattr(source, 'example') else None
+    if self._source is not None:
       self._get = source.example
     else:
       if len(source) == 0:
@@ -65,11 +73,38 @@ class PromptStream:
     self.position += n
     return out
 
+  @property
+  def observes(self):
+    """Whether the source wants to see its examples' scores (`observe`)."""
+    return hasattr(self._source, 'observe')
+
+  def observe(self, draws, group_size):
+    """The source's metrics after it has seen the scores of `draws`: a list of
+    (stream position of a draw's first example, {reward function: [n·G]
+    scores, NaN unscored}, [n·G] trained reward, NaN where left out), every
+    process's examples of each draw. {} for a source that does not observe."""
+    if not self.observes or not draws:
+      return {}
+    examples, per_fn, total = [], {}, []
+    for start, fn_scores, trained in draws:
+      n = len(trained) // group_size
+      examples += [self._get(start + i) for i in range(n)]
+      for name, values in fn_scores.items():
+        per_fn.setdefault(name, []).append(np.asarray(values).reshape(n, group_size))
+      total.append(np.asarray(trained).reshape(n, group_size))
+    per_fn = {name: np.concatenate(parts) for name, parts in per_fn.items()}
+    return self._source.observe(examples, per_fn, np.concatenate(total))
+
   def state(self):
-    return {'position': self.position}
+    state = {'position': self.position}
+    if hasattr(self._source, 'state'):
+      state['source'] = self._source.state()
+    return state
 
   def restore(self, state):
     self.position = int(state['position'])
+    if 'source' in state and hasattr(self._source, 'restore'):
+      self._source.restore(state['source'])
 
 
 # Rows of a file: (where, row) pairs, `where` naming the file and line or row. --------

@@ -167,6 +167,15 @@ class Task:
       self.generator = ArithToolTask(seed=task_config.train_seed)
       self.train = self.generator
       self.held_out = self.generator.held_out(task_config.eval_size, task_config.eval_seed)
+    elif kind == 'reasoning_gym':
+      from jrl.data.reasoning_gym import ReasoningGymTask
+
+      self.generator = ReasoningGymTask(
+        task_config, check, train_check, self._long_prompt_drops(task_config)
+      )
+      self.train = self.generator
+      self.held_out = self.generator.held_out
+      self.filtered['eval'] = self.generator.filtered_held_out
     elif kind in ('file', 'jsonl'):
       train = self._read(task_config, 'train', train_check)
       held_out = self._read(task_config, 'eval', check) if task_config.eval_path else None
@@ -179,8 +188,8 @@ class Task:
       self.held_out = held_out.rows[: task_config.eval_size]
     else:
       raise ValueError(
-        "`task.kind` must be 'arith', 'arith_tool', 'file', 'jsonl' or an import path "
-        f'("package.module:function"), got {kind!r}.'
+        "`task.kind` must be 'arith', 'arith_tool', 'reasoning_gym', 'file', 'jsonl' or an "
+        f'import path ("package.module:function"), got {kind!r}.'
       )
     if check is not None and kind in ('arith', 'arith_tool'):
       # Generated problems share one format: the first ones stand for the rest.
@@ -189,13 +198,18 @@ class Task:
       check_generated(f'task {kind!r} held-out', enumerate(self.held_out), check)
     self.seed = seed
 
-  def _read(self, task_config, split, check) -> PromptFile:
-    """The `split` file ('train' | 'eval'), its too-long prompts dropped if asked."""
+  def _long_prompt_drops(self, task_config):
+    """The errors of a row left out under `task.long_prompts` (checked)."""
     long_prompts = task_config.long_prompts
     if long_prompts not in self.LONG_PROMPTS:
       raise ValueError(
         f'`task.long_prompts` must be one of {self.LONG_PROMPTS}, got {long_prompts!r}.'
       )
+    return (PromptTooLong,) if long_prompts == 'filter' else ()
+
+  def _read(self, task_config, split, check) -> PromptFile:
+    """The `split` file ('train' | 'eval'), its too-long prompts dropped if asked."""
+    drop = self._long_prompt_drops(task_config)
     extractor = task_config.answer_extractor
     if extractor not in ANSWER_EXTRACTORS:
       raise ValueError(
@@ -208,7 +222,7 @@ class Task:
       answer_key=task_config.answer_key,
       answer_extractor=extractor,
       check=check,
-      drop=(PromptTooLong,) if long_prompts == 'filter' else (),
+      drop=drop,
     )
     self.filtered[split] = len(read.dropped)
     if read.dropped and distributed.is_main():

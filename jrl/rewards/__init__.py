@@ -1,6 +1,6 @@
 """jrl.rewards: reward functions, the registry, and the service that runs them."""
 
-from jrl.rewards import code
+from jrl.rewards import code, reasoning_gym  # reasoning_gym imports the package only to score
 from jrl.rewards.base import REGISTRY, ScoredBatch, get_reward_fn, register, uses_sandbox
 from jrl.rewards.format import (
   boxed_format,

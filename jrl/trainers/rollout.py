@@ -359,11 +359,13 @@ class RolloutWorker:
     t_gen = t_reward = 0.0
     zero_var_groups = drawn_groups = gen_tokens = 0
     first_scored = None
+    observed = []  # each draw's scores, for a task that sees them (a curriculum)
     # Prompt accounting: the stream index of this rollout's first prompt, and its
     # policy version (consecutive rollouts: first prompts `groups/drawn` apart).
     metrics['rollout/first_prompt'] = float(self.stream.position)
     metrics['rollout/version'] = float(version)
     for draw in range(1 + (rl.dynamic_sampling_max_draws if rl.dynamic_sampling else 0)):
+      start_position = self.stream.position
       examples = self.stream.next(b, self.prompt_rows)
       prompt_ids = self._gather_prompts([self.encoder.prompt_ids(ex['prompt']) for ex in examples])
       start = time.perf_counter()
@@ -383,6 +385,8 @@ class RolloutWorker:
       complete = scored_rows(scored, self.weights).reshape(b, g)
       valid = complete if self.drop_unscored else np.ones_like(complete)
       t_reward += time.perf_counter() - start
+      if self.stream.observes:
+        observed.append((start_position, scored.per_fn, np.where(valid, total, np.nan).ravel()))
       zero_var = tied_groups(total, valid)
       zero_var_groups += int(zero_var.sum())
       drawn_groups += b
@@ -421,6 +425,7 @@ class RolloutWorker:
     metrics['reward/mean'] = float(trained.mean()) if trained.size else 0.0
     metrics['reward/std'] = float(trained.std()) if trained.size else 0.0
     metrics.update(self._reward_metrics(first_scored))
+    metrics.update(self.stream.observe(observed, g))
     metrics['reward/length_corr'] = reward_norm.length_correlation(trained, lengths[valid_np])
     metrics['response_length/mean'] = float(lengths.mean())
     metrics['response_length/max'] = float(lengths.max())
