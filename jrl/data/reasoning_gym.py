@@ -202,8 +202,7 @@ class Rule:
         raise ValueError(f'{where}.{key}` must be None or a score in [0, 1], got {value!r}.')
     if self.raise_at is not None and self.lower_at is not None and self.lower_at >= self.raise_at:
       raise ValueError(
-        f'{where}.lower_at` ({self.lower_at}) must be below `{where[1:]}.raise_at` '
-        f'({self.raise_at}).'
+        f'{where}.lower_at` ({self.lower_at}) must be below its raise_at ({self.raise_at}).'
       )
     if not (isinstance(self.window, int) and self.window >= 1):
       raise ValueError(f'{where}.window` must be a count of completions >= 1, got {self.window!r}.')
@@ -312,7 +311,13 @@ class ReasoningGymTask:
     where = f'{FIELD}.curriculum.start_level`'
     if self.rule.start_level >= levels:
       raise ValueError(f'{where}={self.rule.start_level}: {name} has levels 0 to {levels - 1}.')
-    owned = _curriculum_fields(curriculum, 0)
+    try:
+      owned = _curriculum_fields(curriculum, 0)
+    except (AssertionError, ValueError, TypeError, AttributeError, KeyError) as e:
+      raise ValueError(
+        f"{FIELD}.curriculum.raise_at`: reasoning-gym's curriculum for {name} fails ({e!r}); "
+        'train it without one (raise_at=None).'
+      ) from None
     clash = sorted(set(owned) & set(self.settings[name]))
     if clash:
       raise ValueError(
@@ -326,8 +331,10 @@ class ReasoningGymTask:
     self._config(name, 'train', self.rule.start_level, where)
     while top + 1 < levels:
       try:
-        self._config(name, 'train', top + 1, where)
-      except ValueError:
+        self._config(name, 'train', top + 1, f'{FIELD}.curriculum`')
+      except ValueError as e:
+        if distributed.is_main():
+          print(f'task: the curriculum of {name} stops at level {top} of 0-{levels - 1}: {e}')
         break
       top += 1
     self.tops[name] = top
