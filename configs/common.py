@@ -303,12 +303,21 @@ def rl_section():
   # names, seeded with their defaults (`jrl.losses.default_args`), e.g. rl.adv.grpo.scale
   # ('group' | 'batch' | 'none'), rl.adv.grpo.eps, rl.adv.reinforce_pp.gamma.
   s.adv = objective_section(L.ADVANTAGE_ESTIMATORS, L.ADVANTAGE_ARGS)
-  s.policy_loss = 'ppo'  # 'ppo' (clip) | 'gspo' | 'cispo' | 'sapo' | 'vespo'
+  # 'ppo' (clip) | 'gspo' | 'gmpo' | 'cispo' | 'sapo' | 'vespo' (clipped or gated);
+  # 'icepop' | 'dppo' | 'kpop' (importance sampling on the tokens a band keeps);
+  # 'importance_sampling' (unclipped, unmasked: see allow_unbounded_async)
+  s.policy_loss = 'ppo'
   # rl.loss.<policy loss>.<argument>: the same for the policy losses, e.g.
   # rl.loss.ppo.eps_high (DAPO's clip-higher: 0.28), rl.loss.ppo.dual_clip_c,
   # rl.loss.sapo.tau_pos, rl.loss.vespo.k_neg. None: the function's default (ppo's
   # eps_high: eps_low; its dual_clip_c and log_ratio_clamp: off).
   s.loss = objective_section(L.POLICY_LOSSES, L.POLICY_LOSS_ARGS)
+  # Train a policy loss that bounds no ratio π/π_old ('importance_sampling', or
+  # a bound set past its limit: jrl.losses.unbounded_reason) on stale rollouts
+  # (topology one_step_off / async at staleness > 0), which is refused otherwise:
+  # unclipped importance sampling at staleness 3 grew the sampler-trainer KL ~30x
+  # and collapsed the entropy (tinker-cookbook PR #822)
+  s.allow_unbounded_async = False
   s.loss_agg = 'token-mean'  # see jrl.losses.AGGREGATION_MODES
   s.loss_norm = optional()  # seq-mean-token-sum-norm constant (None: padded length)
   s.kl_coef = 0.0  # β; 0 skips the reference model
@@ -350,18 +359,21 @@ def objective_section(table, args):
 
 def seed_preset(c, name):
   """Sets `c.rl` to the GRPO of preset `name` (`jrl.losses.PRESETS`: 'verl',
-  'trl', 'openrlhf', 'nemo_rl', 'dr_grpo', 'dapo'): its advantage estimator
-  and arguments, the PPO-clip loss and its bounds, the aggregation, the KL
-  estimator, clamps and β in the loss. Returns `c`."""
+  'trl', 'openrlhf', 'nemo_rl', 'dr_grpo', 'dapo', 'trl_gmpo', 'prime_rl'):
+  its advantage estimator and arguments, the policy loss (PPO-clip, GMPO or
+  DPPO) and its arguments, the aggregation, the KL estimator, clamps and β
+  in the loss. Returns `c`."""
   p, rl = L.get_preset(name), c.rl
   rl.advantage = p.advantage
   preset_adv = {'scale': p.adv_scale, 'std': p.adv_std, 'eps': p.adv_eps, 'singleton': p.singleton}
   for key in rl.adv[p.advantage]:
     if key in preset_adv:
       rl.adv[p.advantage][key] = preset_adv[key]
-  rl.policy_loss = 'ppo'
-  for key in rl.loss.ppo:
-    rl.loss.ppo[key] = getattr(p, key)
+  rl.policy_loss = p.policy_loss
+  loss_args = L.preset_loss_args(p)
+  for key in rl.loss[p.policy_loss]:
+    if key in loss_args:
+      rl.loss[p.policy_loss][key] = loss_args[key]
   rl.loss_agg, rl.loss_norm = p.loss_agg, p.loss_norm
   rl.kl_in, rl.kl_coef, rl.kl_estimator = 'loss', p.kl_coef, p.kl_estimator
   rl.kl_input_clamp, rl.kl_output_clamp = p.kl_input_clamp, p.kl_output_clamp

@@ -51,11 +51,20 @@ from jrl.losses.logprobs import (
   token_logprobs_from_hidden,
 )
 from jrl.losses.policy import (
+  binary_kl,
+  binary_kl_mask,
   cispo_loss,
+  dppo_loss,
+  gmpo_loss,
   gspo_loss,
+  icepop_loss,
+  importance_sampling_loss,
   importance_weights,
+  kpop_loss,
   off_policy_sequence_mask,
   ppo_clip_loss,
+  prob_diff_mask,
+  ratio_band_mask,
   sapo_loss,
   vespo_loss,
   vespo_weights,
@@ -68,7 +77,14 @@ from jrl.losses.preference import (
   orpo_loss,
   simpo_loss,
 )
-from jrl.losses.presets import PRESETS, GRPOPreset, get_preset, grpo_loss, preset_advantages
+from jrl.losses.presets import (
+  PRESETS,
+  GRPOPreset,
+  get_preset,
+  grpo_loss,
+  preset_advantages,
+  preset_loss_args,
+)
 from jrl.losses.reductions import (
   AGGREGATION_MODES,
   aggregate,
@@ -87,6 +103,7 @@ from jrl.losses.registry import (
   POLICY_LOSSES,
   RETURN_ADVANTAGES,
   SUPPLIED_ARGS,
+  UNBOUNDED_POLICY_LOSSES,
   aggregate_loss,
   default_args,
   get_advantage_estimator,
@@ -94,5 +111,6 @@ from jrl.losses.registry import (
   outcome_advantages_by_name,
   policy_loss_by_name,
   token_advantages_by_name,
+  unbounded_reason,
 )
 from jrl.losses.value import entropy_loss, value_loss

@@ -1,11 +1,14 @@
-"""Policy-gradient losses: PPO clip (clip-higher, dual-clip), GSPO, CISPO,
-SAPO (soft gate), VESPO (reshaped sequence weights), the off-policy sequence
-mask, and importance-sampling corrections for sampler/trainer mismatch.
+"""Policy-gradient losses: PPO clip (clip-higher, dual-clip), GSPO, GMPO,
+CISPO, SAPO (soft gate), VESPO (reshaped sequence weights), the plain and
+the masked importance-sampling losses (IcePop, DPPO, KPop), the off-policy
+sequence mask, and importance-sampling corrections for sampler/trainer
+mismatch.
 
-The clipped surrogates (PPO, GSPO) are here; the losses that reweight the
-gradient instead of clipping it (CISPO, SAPO, VESPO) are in
-`policy_weighted.py`, the off-policy mask and importance weights in
-`off_policy.py`; all are importable from this module.
+The clipped surrogates (PPO, GSPO, GMPO) are here; the losses that reweight
+the gradient instead of clipping it (CISPO, SAPO, VESPO) are in
+`policy_weighted.py`, the importance-sampling losses whose trust region is a
+token mask instead of a clip in `policy_masked.py`, the off-policy mask and
+importance weights in `off_policy.py`; all are importable from this module.
 
 Every loss takes per-token log-probabilities under the current policy
 (`logp`, differentiated), the behaviour policy (`old_logp`, constants), token
@@ -39,6 +42,16 @@ from jrl.losses.off_policy import (
   IS_MODES,
   importance_weights,
   off_policy_sequence_mask,
+)
+from jrl.losses.policy_masked import (
+  binary_kl,
+  binary_kl_mask,
+  dppo_loss,
+  icepop_loss,
+  importance_sampling_loss,
+  kpop_loss,
+  prob_diff_mask,
+  ratio_band_mask,
 )
 from jrl.losses.policy_weighted import cispo_loss, sapo_loss, vespo_loss, vespo_weights
 
@@ -171,14 +184,100 @@ def gspo_loss(
   return loss * m, metrics
 
 
+def gmpo_loss(
+  logp,
+  old_logp,
+  advantages,
+  mask,
+  *,
+  eps_low=0.4,
+  eps_high=0.4,
+  axis_name=None,
+):
+  """GMPO, Geometric-Mean Policy Optimization (Zhao et al. 2025, arXiv:2507.20673), per token.
+
+  GRPO maximises the arithmetic mean of the clipped token ratios; GMPO the
+  geometric mean, which an outlier ratio moves far less. Each token's
+  log-ratio is clipped on the side its advantage pushes (PPO's pessimistic
+  min, written in log space) *before* the mean:
+
+    r_t   = logp_t − old_logp_t
+    c_t   = min(r_t, clip(r_t, −ε_low, ε_high))   if A_t > 0
+            max(r_t, clip(r_t, −ε_low, ε_high))   if A_t ≤ 0
+    s_i   = exp( (1/|y_i|) Σ_t m_t c_t )            (geometric mean of the clipped ratios)
+    J_i   = −A_i · s_i                               (sequence loss; L = mean_i J_i)
+
+  so the ratio range is (e^(−ε_low), e^(ε_high)): ε is in log space, and the
+  paper's (and TRL's `GMPOConfig`) default 0.4 / 0.4 is wider than PPO's
+  because the geometric mean already damps single tokens. GSPO
+  (`gspo_loss`) clips the sequence ratio after the mean instead.
+
+  Written per token, like GSPO-token, so that it reduces like any other loss:
+
+    ℓ_{i,t} = −A_{i,t} · sg[s_i] · exp(c_t − sg[c_t])   (value −A s_i, gradient −A s_i ∇c_t)
+
+  With A constant over a sequence and the 'seq-mean-token-mean'
+  aggregation, Σ_i mean_t ℓ_{i,t} / B = mean_i J_i in value and gradient:
+  exactly TRL's `GMPOTrainer` loss (trl/experimental/gmpo, which divides by
+  B without a token normaliser). With per-token advantages each token
+  clips by its own sign. A_t = 0 takes the max branch (as TRL); its loss is
+  0 either way.
+
+  Args:
+    logp, old_logp, advantages, mask: [B, T] (see `ppo_clip_loss`).
+    eps_low, eps_high: > 0, in log space.
+    axis_name: optional mapped axis for the metrics.
+
+  Returns:
+    (loss [B, T] float32 zero where mask is 0, metrics) with
+    `clipfrac_high` (A > 0 and r > ε_high), `clipfrac_low` (A < 0 and
+    r < −ε_low), `clipfrac`, `seq_ratio_mean` (mean of s_i over sequences)
+    and the KL metrics.
+  """
+  logp, old_logp, adv, m = _check_inputs(logp, old_logp, advantages, mask)
+  check_positive(eps_low, 'eps_low')
+  check_positive(eps_high, 'eps_high')
+  log_ratio = logp - old_logp
+  clamped = jnp.clip(log_ratio, -eps_low, eps_high)
+  clipped = jnp.where(adv > 0, jnp.minimum(log_ratio, clamped), jnp.maximum(log_ratio, clamped))
+  length_Bx1 = jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1.0)
+  log_s_Bx1 = jnp.sum(clipped * m, axis=-1, keepdims=True) / length_Bx1
+  log_s_Bx1 = jax.lax.stop_gradient(log_s_Bx1)
+  clipped_const = jax.lax.stop_gradient(clipped)
+  # Value s_i, gradient s_i · ∇c_t.
+  ratio = jnp.exp(log_s_Bx1 + clipped - clipped_const)
+  loss = -adv * ratio
+  high = (adv > 0) & (log_ratio > eps_high)
+  low = (adv < 0) & (log_ratio < -eps_low)
+  metrics = {
+    'clipfrac_high': _mean(high, m, axis_name),
+    'clipfrac_low': _mean(low, m, axis_name),
+    'clipfrac': _mean(high | low, m, axis_name),
+    'seq_ratio_mean': reductions.seq_mean_token_mean(
+      jax.lax.stop_gradient(ratio), m, axis_name=axis_name
+    ),
+    **_kl_metrics(log_ratio, m, axis_name),
+  }
+  return loss * m, metrics
+
+
 __all__ = [
   'IS_LEVELS',
   'IS_MODES',
+  'binary_kl',
+  'binary_kl_mask',
   'cispo_loss',
+  'dppo_loss',
+  'gmpo_loss',
   'gspo_loss',
+  'icepop_loss',
+  'importance_sampling_loss',
   'importance_weights',
+  'kpop_loss',
   'off_policy_sequence_mask',
   'ppo_clip_loss',
+  'prob_diff_mask',
+  'ratio_band_mask',
   'sapo_loss',
   'vespo_loss',
   'vespo_weights',

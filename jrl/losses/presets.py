@@ -5,13 +5,15 @@ A `GRPOPreset` pins every choice that differs (the advantage estimator and
 its ε, std and singleton rule; the clip ranges, dual clip and log-ratio
 clamp; the loss aggregation; the KL estimator, its clamps and coefficient),
 and `grpo_loss` composes the `jrl.losses` functions with them. The table in
-`jrl/losses/README.md` lists the values and where each comes from.
+`jrl/losses/README.md` lists the values and where each comes from. Two
+presets keep a framework's GRPO-style loop but change its policy loss:
+'trl_gmpo' (TRL's GMPOTrainer) and 'prime_rl' (prime-rl's default loss).
 
 A preset is data (a NamedTuple of Python scalars and strings), not a config
 object: `grpo_loss` unpacks it into the plain arguments of the underlying
-functions, which remain the reference. Its `advantage` and `loss_agg` names
-go through `jrl.losses.registry`, as the trainer's do; `kl_estimator` is the
-`estimator` of `kl_penalty`.
+functions, which remain the reference. Its `advantage`, `policy_loss` and
+`loss_agg` names go through `jrl.losses.registry`, as the trainer's do;
+`kl_estimator` is the `estimator` of `kl_penalty`.
 """
 
 from typing import NamedTuple
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 
 from jrl.losses import advantages as adv_lib
 from jrl.losses import kl as kl_lib
-from jrl.losses import policy, reductions, registry
+from jrl.losses import reductions, registry
 from jrl.losses._checks import check_choice, check_rank, check_same_shape
 
 
@@ -44,6 +46,11 @@ class GRPOPreset(NamedTuple):
   kl_input_clamp: float | None  # clamp on log(π/π_ref) before the estimator.
   kl_output_clamp: float | None  # clamp on the per-token KL estimate.
   kl_coef: float  # β of the KL term in the loss (0 turns it off).
+  # The policy loss, a name in registry.POLICY_LOSSES; it takes the clip fields
+  # above that it has arguments of (PPO all four, GSPO and GMPO eps_low/eps_high)
+  # and `loss_args`, ((argument, value), ...), for its others.
+  policy_loss: str = 'ppo'
+  loss_args: tuple = ()
 
 
 PRESETS = {
@@ -177,6 +184,55 @@ PRESETS = {
     kl_output_clamp=None,
     kl_coef=0.0,
   ),
+  # TRL's experimental GMPOTrainer (trl/experimental/gmpo, TRL 1.10.dev):
+  # GRPOConfig's advantages as 'trl'; GMPOConfig's epsilon 0.4 (= epsilon_high)
+  # in log space, clipped per token before the geometric mean; the mean of the
+  # per-sequence losses over the batch (seq-mean-token-mean); beta 0.0, and
+  # when set, plain k3 averaged per sequence.
+  'trl_gmpo': GRPOPreset(
+    name='trl_gmpo',
+    advantage='grpo',
+    adv_scale='group',
+    adv_std='unbiased',
+    adv_eps=1e-4,
+    singleton='zero',
+    eps_low=0.4,
+    eps_high=0.4,
+    dual_clip_c=None,
+    log_ratio_clamp=None,
+    loss_agg='seq-mean-token-mean',
+    loss_norm=None,
+    kl_estimator='k3',
+    kl_input_clamp=None,
+    kl_output_clamp=None,
+    kl_coef=0.0,
+    policy_loss='gmpo',
+  ),
+  # prime-rl v0.8's GRPO: reward minus the group mean (no std), and its default
+  # loss (trainer/rl/loss.py default_loss_fn, DefaultLossConfig): DPPO-Binary-TV
+  # masking at 0.2 / 0.2 in probability, the unclipped importance ratio on the
+  # kept tokens, kl_tau 1e-3 on (log ratio)^2; summed and divided by the global
+  # token count; no reference KL. The clip fields are not read by 'dppo'.
+  'prime_rl': GRPOPreset(
+    name='prime_rl',
+    advantage='grpo',
+    adv_scale='none',
+    adv_std='unbiased',
+    adv_eps=0.0,
+    singleton='zero',
+    eps_low=0.2,
+    eps_high=0.2,
+    dual_clip_c=None,
+    log_ratio_clamp=None,
+    loss_agg='token-mean',
+    loss_norm=None,
+    kl_estimator='k3',
+    kl_input_clamp=None,
+    kl_output_clamp=None,
+    kl_coef=0.0,
+    policy_loss='dppo',
+    loss_args=(('delta_low', 0.2), ('delta_high', 0.2), ('kl_tau', 1e-3)),
+  ),
 }
 
 
@@ -184,6 +240,18 @@ def get_preset(name):
   """Returns the preset called `name` (one of `PRESETS`)."""
   check_choice(name, 'preset', PRESETS)
   return PRESETS[name]
+
+
+def preset_loss_args(preset):
+  """{argument: value} of `preset`'s policy loss: the clip fields and
+  `loss_args` (`registry.policy_loss_by_name` passes on those the loss takes)."""
+  return {
+    'eps_low': preset.eps_low,
+    'eps_high': preset.eps_high,
+    'dual_clip_c': preset.dual_clip_c,
+    'log_ratio_clamp': preset.log_ratio_clamp,
+    **dict(preset.loss_args),
+  }
 
 
 def preset_advantages(rewards, group_size, preset, *, axis_name=None):
@@ -224,7 +292,9 @@ def grpo_loss(
   """The full GRPO objective of one framework, as a scalar.
 
     A = preset advantages of `rewards`, broadcast over each response's tokens
-    ℓ_t = PPO-clip(logp, old_logp, A) + β · KL_t(logp ‖ ref_logp)
+    ℓ_t = policy loss(logp, old_logp, A) + β · KL_t(logp ‖ ref_logp)
+          (`preset.policy_loss`: PPO-clip for the GRPO presets, GMPO for
+          'trl_gmpo', DPPO for 'prime_rl')
           (KL_t: `preset.kl_estimator`; 'k3_ratio_corrected' multiplies k3 by
           exp(logp − old_logp), see `jrl.losses.kl`)
     loss = aggregate(ℓ, mask, preset.loss_agg)
@@ -257,16 +327,8 @@ def grpo_loss(
 
   adv_B = jax.lax.stop_gradient(preset_advantages(rewards, group_size, preset, axis_name=axis_name))
   adv_BxT = adv_lib.broadcast_to_tokens(adv_B, mask)
-  pg_BxT, metrics = policy.ppo_clip_loss(
-    logp,
-    old_logp,
-    adv_BxT,
-    mask,
-    eps_low=preset.eps_low,
-    eps_high=preset.eps_high,
-    dual_clip_c=preset.dual_clip_c,
-    log_ratio_clamp=preset.log_ratio_clamp,
-    axis_name=axis_name,
+  pg_BxT, metrics = registry.policy_loss_by_name(
+    preset.policy_loss, logp, old_logp, adv_BxT, mask, preset_loss_args(preset), axis_name=axis_name
   )
   total_BxT = pg_BxT
   kl_BxT = jnp.zeros_like(pg_BxT)

@@ -4,8 +4,10 @@ The trainer (`jrl.trainers.policy_step`, from `config.rl`) and the GRPO presets
 (`jrl.losses.presets`) both go from a name to a function through this module;
 neither keeps a table of its own. Adding a policy loss is: write the kernel in
 `jrl/losses/policy.py`, add one entry to `POLICY_LOSSES` and one to
-`POLICY_LOSS_ARGS` (the keyword arguments callers may set), and give any new
-argument a config field (see `jrl/losses/README.md`).
+`POLICY_LOSS_ARGS` (the keyword arguments callers may set), say whether and
+by which argument it bounds the update (`UNBOUNDED_POLICY_LOSSES`,
+`_UPPER_BOUNDS`: asynchronous runs refuse an unbounded one), and give any
+new argument a config field (see `jrl/losses/README.md`).
 
 | table                  | name →                                                  |
 |------------------------|---------------------------------------------------------|
@@ -34,6 +36,7 @@ Nothing here sees a config: names and values are plain strings and numbers.
 """
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,9 +52,14 @@ from jrl.losses._checks import check_choice, check_same_shape
 POLICY_LOSSES: dict[str, Callable] = {
   'ppo': policy.ppo_clip_loss,
   'gspo': policy.gspo_loss,
+  'gmpo': policy.gmpo_loss,
   'cispo': policy.cispo_loss,
   'sapo': policy.sapo_loss,
   'vespo': policy.vespo_loss,
+  'importance_sampling': policy.importance_sampling_loss,
+  'icepop': policy.icepop_loss,
+  'dppo': policy.dppo_loss,
+  'kpop': policy.kpop_loss,
 }
 
 # The keyword arguments `policy_loss_by_name` forwards to each loss; the
@@ -60,9 +68,39 @@ POLICY_LOSSES: dict[str, Callable] = {
 POLICY_LOSS_ARGS: dict[str, tuple[str, ...]] = {
   'ppo': ('eps_low', 'eps_high', 'dual_clip_c', 'log_ratio_clamp'),
   'gspo': ('eps_low', 'eps_high'),
+  'gmpo': ('eps_low', 'eps_high'),
   'cispo': ('eps_high',),
   'sapo': ('tau_pos', 'tau_neg', 'log_ratio_clamp'),
   'vespo': ('k_pos', 'lambda_pos', 'k_neg', 'lambda_neg'),
+  'importance_sampling': ('log_ratio_clamp',),
+  'icepop': ('low', 'high', 'kl_tau'),
+  'dppo': ('delta_low', 'delta_high', 'kl_tau'),
+  'kpop': ('threshold', 'kl_tau'),
+}
+
+
+# Which policy losses bound how far one update moves a token's probability
+# from the behaviour policy's. With a stale rollout (one-step-off, async) the
+# ratio π/π_old of an unbounded loss grows without limit (tinker-cookbook
+# PR #822: the unclipped importance-sampling loss at staleness 3 grew the
+# sampler-trainer KL ~30x and collapsed the entropy; `ppo` stayed stable).
+# `unbounded_reason` reads this; the trainer's config check refuses such a
+# loss at staleness > 0 unless `rl.allow_unbounded_async` is set.
+UNBOUNDED_POLICY_LOSSES = {
+  'importance_sampling': 'weights the gradient by the ratio π/π_old, neither clipped nor masked',
+}
+# For the others, the argument that bounds the ratio of a token with A > 0
+# (the side on which an importance-sampled gradient grows), and the values at
+# which it stops bounding it: an infinite clip or band, or for DPPO a
+# probability step of 1 or more, which no token can take.
+_UPPER_BOUNDS = {
+  'ppo': ('eps_high', math.inf),
+  'gspo': ('eps_high', math.inf),
+  'gmpo': ('eps_high', math.inf),
+  'cispo': ('eps_high', math.inf),
+  'icepop': ('high', math.inf),
+  'kpop': ('threshold', math.inf),
+  'dppo': ('delta_high', 1.0),
 }
 
 
@@ -176,6 +214,35 @@ def _forwarded(name, args, table, what):
       f'{unknown} are not arguments of any {what}; the {what}s take {tuple(sorted(known))}.'
     )
   return {key: args[key] for key in table[name] if args.get(key) is not None}
+
+
+def unbounded_reason(name, args: Mapping[str, Any]):
+  """Why the policy loss called `name` with the arguments `args` (plain
+  values by keyword name; None or absent: the function's default) does not
+  bound the update, or None when it does.
+
+  Bounded are the clipped surrogates (PPO, GSPO, GMPO, CISPO's clipped
+  weight), the soft gates (SAPO, VESPO) and the masked importance-sampling
+  losses (IcePop, DPPO, KPop), each with a finite bound;
+  `importance_sampling` never is. A None `eps_high` of PPO is its `eps_low`.
+  """
+  check_choice(name, 'policy_loss', POLICY_LOSSES)
+  if name in UNBOUNDED_POLICY_LOSSES:
+    return f'{name!r} {UNBOUNDED_POLICY_LOSSES[name]}'
+  if name not in _UPPER_BOUNDS:
+    return None
+  key, limit = _UPPER_BOUNDS[name]
+  value = args.get(key)
+  if value is None and name == 'ppo':
+    value = args.get('eps_low')
+  if value is None:
+    value = inspect.signature(POLICY_LOSSES[name]).parameters[key].default
+  if value is None or value < limit:
+    return None
+  return (
+    f'{name!r} with {key}={value!r} leaves the ratio π/π_old of a token with A > 0 '
+    f'unbounded (a bound needs {key} < {limit!r})'
+  )
 
 
 def policy_loss_by_name(

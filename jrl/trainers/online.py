@@ -77,6 +77,13 @@ def check_rl(config, batch_shards):
     'rl.overlong_buffer',
     'must be in [0, task.max_response_len).',
   )
+  icepop = rl.loss.get('icepop')
+  need(
+    icepop is None or icepop.low < icepop.high,
+    'rl.loss.icepop.low',
+    f'must be below rl.loss.icepop.high ({icepop.high if icepop else None}).',
+  )
+  check_bounded_when_stale(config)
   need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
   need(
     rl.kl_estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
@@ -108,12 +115,32 @@ def check_rl(config, batch_shards):
   )
 
 
+def check_bounded_when_stale(config):
+  """Stale rollouts need a policy loss that bounds the ratio π/π_old
+  (`L.unbounded_reason`), unless `rl.allow_unbounded_async` says otherwise."""
+  rl, k = config.rl, topology.staleness(config)
+  if not k or rl.allow_unbounded_async:
+    return
+  reason = L.unbounded_reason(rl.policy_loss, dict(rl.loss[rl.policy_loss]))
+  bounded = tuple(name for name in L.POLICY_LOSSES if L.unbounded_reason(name, {}) is None)
+  checks.need(
+    reason is None,
+    'rl.allow_unbounded_async',
+    f'is False, but topology.kind={config.topology.kind!r} trains on rollouts up to {k} '
+    f'policy versions stale with an unbounded policy loss: rl.policy_loss={reason}. '
+    'A stale rollout then moves the policy without limit (tinker-cookbook PR #822: '
+    'sampler-trainer KL x30 and entropy collapse at staleness 3). Use a clipped or masked '
+    f'loss {bounded} or set rl.allow_unbounded_async=True.',
+  )
+
+
 # The string arguments of the advantage estimators, with the values they take.
 CHOICES = {
   'rl.adv.grpo.scale': ('group', 'batch', 'none'),
   'rl.adv.grpo.std': ('unbiased', 'biased'),
   'rl.adv.grpo.singleton': ('zero', 'raw', 'error'),
   'rl.adv.loo.normalize': (True, False),
+  'rl.allow_unbounded_async': (True, False),
   'rl.minibatch_by': ('auto', 'row', 'group'),
 }
 # The `rl` section: the online algorithms' iterations, rollout batch and policy loss.
@@ -144,6 +171,17 @@ RL = checks.Section(
     'rl.loss.vespo.lambda_pos': checks.non_negative(),
     'rl.loss.vespo.k_neg': checks.non_negative(),
     'rl.loss.vespo.lambda_neg': checks.non_negative(),
+    'rl.loss.gmpo.eps_low': checks.positive(),  # log space: the ratio's lower clip e^-eps_low
+    'rl.loss.gmpo.eps_high': checks.positive(),
+    'rl.loss.importance_sampling.log_ratio_clamp': checks.positive(optional=True),
+    'rl.loss.icepop.low': checks.non_negative(),  # ratio band [low, high]
+    'rl.loss.icepop.high': checks.positive(),
+    'rl.loss.icepop.kl_tau': checks.non_negative(),
+    'rl.loss.dppo.delta_low': checks.non_negative(),  # probability steps
+    'rl.loss.dppo.delta_high': checks.non_negative(),
+    'rl.loss.dppo.kl_tau': checks.non_negative(),
+    'rl.loss.kpop.threshold': checks.positive(),  # binary KL, nats
+    'rl.loss.kpop.kl_tau': checks.non_negative(),
     'rl.loss_norm': checks.positive(optional=True),
     'rl.kl_coef': checks.non_negative(),
     'rl.kl_input_clamp': checks.positive(optional=True),

@@ -376,6 +376,19 @@ class StepsOff:
     self.executor.shutdown(wait=True)
 
 
+def staleness(config):
+  """k, the most policy versions a rollout may lag the update that trains on
+  it: `topology.staleness` one-step-off, `topology.max_staleness` async, 0
+  for the synchronous topologies."""
+  topology_config = config.get('topology')
+  kind = topology_config.kind if topology_config else 'colocated'
+  if kind == 'one_step_off':
+    return topology_config.staleness
+  if kind == 'async':
+    return topology_config.max_staleness
+  return 0
+
+
 def check(config, batch_shards):
   """The `topology` section: a known kind, and devices left for both sides."""
   del batch_shards

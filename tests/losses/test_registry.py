@@ -33,6 +33,12 @@ LOSS_ARGS = {
   'lambda_pos': 3.0,
   'k_neg': 3.0,
   'lambda_neg': 2.0,
+  'low': 0.6,
+  'high': 4.0,
+  'kl_tau': 0.01,
+  'delta_low': 0.1,
+  'delta_high': 0.3,
+  'threshold': 0.05,
 }
 ADV_ARGS = {'scale': 'group', 'std': 'unbiased', 'eps': 1e-6, 'gamma': 0.9, 'kl_coef': 0.05}
 
@@ -80,6 +86,8 @@ def test_advantage_kinds_partition_the_estimators():
 def test_the_tables_hold_the_public_functions():
   assert L.POLICY_LOSSES['ppo'] is L.ppo_clip_loss
   assert L.POLICY_LOSSES['vespo'] is L.vespo_loss
+  assert L.POLICY_LOSSES['gmpo'] is L.gmpo_loss
+  assert L.POLICY_LOSSES['dppo'] is L.dppo_loss
   assert L.ADVANTAGE_ESTIMATORS['loo'] is L.loo_advantages
   assert registry.KL_ESTIMATORS == L.KL_ESTIMATORS
   assert registry.AGGREGATION_MODES == L.AGGREGATION_MODES
