@@ -561,6 +561,20 @@ def derive(config, algorithm):
   return c
 
 
+def distill_section():
+  """The `distill` fields of GRPO-family configs: on-policy distillation
+  (jrl/trainers/distill.py); off while `teachers` is empty."""
+  d = ml_collections.ConfigDict()
+  # checkpoint directories (Hugging Face format, the student's tokenizer) scoring the samples
+  d.teachers = ()
+  d.teacher_weights = ()  # one positive weight per teacher, normalised; () : equal
+  d.coef = 1.0  # weight of the distillation advantage (per-token reverse KL to the teachers)
+  d.reward_coef = 0.0  # weight of the run's own advantage from its reward beside it
+  d.clip = 0.0  # bound on each token's |reverse KL| (0: none)
+  d.discount = 0.0  # 0: per-token advantage; γ > 0: the discounted reverse KL to go
+  return d
+
+
 def ppo_section():
   """The `ppo` fields of PPO configs."""
   p = ml_collections.ConfigDict()

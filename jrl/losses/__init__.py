@@ -36,6 +36,12 @@ from jrl.losses.advantages import (
   valid_token_mask,
   whiten,
 )
+from jrl.losses.distill import (
+  distillation_advantages,
+  distillation_metrics,
+  reverse_kl_rewards,
+  teacher_mixture,
+)
 from jrl.losses.kl import (
   KL_ESTIMATORS,
   KLController,

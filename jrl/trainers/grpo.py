@@ -34,6 +34,7 @@ from jrl import parallel
 from jrl.trainers import (
   checks,
   common,
+  distill,
   memory_plan,
   online,
   policy_step,
@@ -83,7 +84,7 @@ def make_steps(config, resources, tx, schedule, shardings, packer=None, remat=No
 
 
 # What a GRPO-family run reads besides the shared sections.
-SECTIONS = online.SECTIONS
+SECTIONS = (*online.SECTIONS, distill.SECTION)
 
 
 def build(
@@ -130,10 +131,12 @@ def build(
     worker=worker,
   )
   adv_cfg = policy_step.advantage_config(rl)
+  teachers = distill.load(config, resources, packer)
 
   def batch(state, generated, old_logp, is_weights, metrics):
-    """The group-relative advantages of a placed rollout, and its PolicyBatch."""
-    del state, metrics
+    """The group-relative advantages of a placed rollout (with teachers, mixed
+    with the distillation advantage: `jrl.trainers.distill`), and its PolicyBatch."""
+    del state
     mask = generated.batch.loss_mask
     kl_reward = None
     if adv_cfg.kl_coef_in_reward:
@@ -141,6 +144,8 @@ def build(
     adv = steps.advantages(
       jnp.asarray(generated.rewards), mask, kl_BxT=kl_reward, valid_B=generated.valid
     )
+    if teachers is not None:
+      adv = distill.advantages(teachers, config, generated, old_logp, adv, resources, metrics)
     full = policy_step.PolicyBatch(
       tokens=generated.batch.tokens,
       mask=generated.batch.mask,

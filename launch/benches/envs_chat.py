@@ -82,10 +82,14 @@ def make_envs(tokenizer, endpoint, wait_s, max_turns):
         return Step([], done=True)
       return Step(self.conversation.append([tool_message(self.k)]))
 
-  # The token level: the answers' tokens computed once, appended as they are.
-  probe = chat.Conversation(tokenizer, [{'role': 'user', 'content': 'x'}])
-  probe.add_turn([end])
-  answers = [None] + [probe.append([tool_message(k)]) for k in range(1, max_turns + 1)]
+  # The token level: the answers' tokens computed once (each after a turn's
+  # end token), appended as they are.
+  def answer_tokens(k):
+    probe = chat.Conversation(tokenizer, [{'role': 'user', 'content': 'x'}])
+    probe.add_turn([end])
+    return probe.append([tool_message(k)])
+
+  answers = [None] + [answer_tokens(k) for k in range(1, max_turns + 1)]
 
   class Tokens(Messages):
     def step(self, turn_tokens):
