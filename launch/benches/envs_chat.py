@@ -170,8 +170,9 @@ def run(args):
     is its own sleep; the answers are rendered as in 'messages'.
 
   Figures: median seconds per rollout over --repeats (after a warm-up call
-  that compiles), model tokens per second, and whether the trajectories
-  equal those of 'pooled, tokens' token for token.
+  each that compiles; the ways in turn, round robin), model tokens per
+  second, and whether the trajectories equal those of 'pooled, tokens'
+  token for token.
   """
   from jrl import models, sampler
   from jrl.envs import EnvPool, chat
@@ -216,25 +217,29 @@ def run(args):
     f'tokens, turns of ~{args.turn_len} tokens, {args.max_turns} tool answers of '
     f'{args.env_ms:.0f} ms per episode, {args.workers} workers, backend {jax.default_backend()}'
   )
+
+  def run_once(make_env):
+    return rollout(smp, params, examples, g, make_env, pool, limits, request_args)
+
+  # Round robin over the ways, so that a change in the machine's load
+  # (a shared machine) falls on each of them alike.
+  times, outs = {name: [] for name in ways}, {}
+  for make_env in ways.values():
+    run_once(make_env)  # compiles
+  for _ in range(args.repeats):
+    for name, make_env in ways.items():
+      outs[name], seconds = run_once(make_env)
+      times[name].append(seconds)
   figures, reference = {}, None
-  for name, make_env in ways.items():
-
-    def run_once(make_env=make_env):
-      return rollout(smp, params, examples, g, make_env, pool, limits, request_args)
-
-    run_once()  # compiles
-    times = []
-    for _ in range(args.repeats):
-      out, seconds = run_once()
-      times.append(seconds)
-    flat = [c for row in out for c in row]
+  for name in ways:
+    flat = [c for row in outs[name] for c in row]
     reference = reference or flat
     same = all(
       np.array_equal(a.tokens, b.tokens) and np.array_equal(a.env_mask, b.env_mask)
       for a, b in zip(flat, reference, strict=True)
     )
     model_tokens = sum(int(np.sum(~c.env_mask)) for c in flat)
-    seconds = statistics.median(times)
+    seconds = statistics.median(times[name])
     turns = sum(int(np.sum(np.diff(c.env_mask.astype(int)) == 1)) for c in flat)
     figures[name] = dict(
       seconds=seconds,
