@@ -105,15 +105,16 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantage(dirs, tmp_path, mon
   assert 0 < rec['distill/teacher_prob'] <= 1
 
 
-@pytest.mark.parametrize(
-  'layout', [{'train.packing': True}, {'train.shared_prompt': True, 'rl.minibatch_size': 16}]
-)
-def test_layouts_give_the_padded_advantages(dirs, tmp_path, monkeypatch, layout):
-  base = {'rl.minibatch_size': 16} if 'train.shared_prompt' in layout else {}
-  (want,), _ = run_capturing(distill_config(dirs, tmp_path / 'padded', base), monkeypatch)
-  (got,), _ = run_capturing(distill_config(dirs, tmp_path / 'other', layout), monkeypatch)
-  assert np.abs(want).max() > 0.1  # a teacher that differs
-  np.testing.assert_allclose(got, want, atol=2e-5)
+def test_packed_and_shared_prompt_layouts_give_the_padded_advantages(dirs, tmp_path, monkeypatch):
+  advantages = []
+  for k, layout in enumerate([{}, {'train.packing': True}, {'train.shared_prompt': True}]):
+    fields = {'rl.minibatch_size': 16, **layout}  # whole groups (shared prompts)
+    (adv,), _ = run_capturing(distill_config(dirs, tmp_path / str(k), fields), monkeypatch)
+    advantages.append(adv)
+  padded, *others = advantages
+  assert np.abs(padded).max() > 0.1  # a teacher that differs
+  for got in others:
+    np.testing.assert_allclose(got, padded, atol=2e-5)
 
 
 def test_the_student_moves_towards_a_different_teacher(dirs, tmp_path, monkeypatch):
