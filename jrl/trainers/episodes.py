@@ -195,6 +195,29 @@ def episode_metrics(episodes, rewards):
   return metrics
 
 
+def reset_group(group, example, pad_id):
+  """The prompt of a group's episodes (`Episode`s), each reset on `example`:
+  the first reset's token ids. An environment that fails at its reset ends
+  its own episode before its first turn, unscored, never the run: a reset
+  that raised ('env_error', e.g. a server that is down) or that gave
+  another prompt than its group's ('env_invalid': the G samples of a prompt
+  share its tokens, so an environment must start the same episode for the
+  same example). A group whose resets all failed gets the prompt [pad_id]."""
+  prompt = None
+  for ep in group:
+    try:
+      ids = [int(t) for t in ep.env.reset(example)]
+    except Exception as e:
+      ep.reason, ep.error = 'env_error', f'reset: {type(e).__name__}: {e}'
+      continue
+    if prompt is None:
+      prompt = ids
+    elif ids != prompt:
+      ep.reason = 'env_invalid'
+      ep.error = "reset: another prompt than its group's first episode's for the same example"
+  return prompt if prompt is not None else [pad_id]
+
+
 def demonstration_batch(config, tokenizer, stop_tokens, seq_len, examples, iteration):
   """SFT rows of tool-use demonstrations (`agent.sft_tool_frac` of them call
   the tool) after the environment's own prompt (`env.reset`); the loss mask
@@ -282,10 +305,8 @@ class EpisodeWorker:
     episodes = [
       [Episode(self.make_env(self.tokenizer)) for _ in range(group_size)] for _ in examples
     ]
-    prompts = [episodes[i][0].env.reset(ex) for i, ex in enumerate(examples)]
-    for i, ex in enumerate(examples):
-      for ep in episodes[i][1:]:
-        ep.env.reset(ex)
+    pad = self.tokenizer.pad_id
+    prompts = [reset_group(group, ex, pad) for group, ex in zip(episodes, examples, strict=True)]
     stops = set(self.stop_tokens)
 
     def settle(ep, end, outcome):
@@ -305,6 +326,8 @@ class EpisodeWorker:
 
     def on_turn_end(i, g, tokens, logprobs=None):
       ep = episodes[i][g]
+      if ep.reason:  # its reset failed (`reset_group`): it ends at its first turn's end
+        return ep.reason
       if int(tokens[-1]) in stops and int(tokens[-1]) not in self.turn_stops:
         return 'stop'  # the model ended its answer (a chat turn's end: the environment says)
       ep.turns += 1
@@ -351,7 +374,7 @@ class EpisodeWorker:
       for g, c in enumerate(group):
         ep = episodes[i][g]
         ep.reason = ep.reason or c.finish_reason
-        if c.finish_reason == 'stop':
+        if c.finish_reason == 'stop' and ep.reason == 'stop':
           text = self.tokenizer.decode(
             [int(t) for t in c.tokens if int(t) not in stops], skip_special_tokens=True
           )
