@@ -415,7 +415,7 @@ def sampler_section():
   # importance weights (topology.is_*), logging their mismatch: 'auto' (for an engine
   # other than 'jrl', whose logprobs are not the trainer's) | 'on' | 'off'
   s.recompute_logprobs = 'auto'
-  # sampler.engine = 'vllm' (third_party/vllm, an optional install: README)
+  # sampler.engine = 'vllm' (third_party/vllm, an optional install: docs/vllm.md)
   s.vllm = ml_collections.ConfigDict()
   s.vllm.kv_space_gib = 4  # GiB, the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE)
   s.vllm.threads = 0  # cores it binds (VLLM_CPU_OMP_THREADS_BIND 0-(n-1)); 0: its default

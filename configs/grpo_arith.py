@@ -12,7 +12,7 @@ estimate rounded down to tens (130, written "031"; `task.rounding_slip`).
 900 SFT steps learn the teacher's addition, estimates included, so greedy
 answers to most of those problems have a units digit of 0 however long SFT
 runs; 100 GRPO steps (G = 8, an exact-match reward on the true answer) then
-raise held-out accuracy well beyond SFT's (README, "RL against SFT alone at
+raise held-out accuracy well beyond SFT's (docs/results.md, "RL against SFT alone at
 equal compute"). Held-out accuracy is measured with greedy decoding every
 `eval.every` iterations (`eval/accuracy` in runs/grpo_arith/metrics.jsonl,
 on the console, and in curves.png). About five minutes on a 2-core CPU.

@@ -14,7 +14,7 @@ that only continues the function is appended to the problem's signature
 `entry_point`: the literal asserts become call-based cases judged outside
 the sandbox; the few problems whose asserts do not convert run their check
 beside the program, in a process of its own that calls it
-(`reward.code.asserts='in_program'`: see the README's sandbox section).
+(`reward.code.asserts='in_program'`: see docs/rewards_and_sandbox.md).
 Scored 'all' (1.0 only when every case passes),
 as HumanEval's pass@k.
 

@@ -11,7 +11,7 @@ GSM8K's schema ({"question", "answer": "...#### N", "difficulty"}), 3 : 1 : 1
 one-, two- and three-step problems, because a 135M model solves few of the
 harder ones. The system prompt asks for short lines of working and "The
 answer is N" with one worked example: without it the model rambles and the
-answer is lost (see the README's table).
+answer is lost (see the table in docs/smollm2.md).
 
 Choices, for a run of under an hour on 2 CPU cores:
 - 16 steps of B = 8 prompts x G = 8 samples, two minibatches of 32 (two Adam
@@ -19,7 +19,7 @@ Choices, for a run of under an hour on 2 CPU cores:
 - completions of at most 96 tokens: right answers take 20-50, and longer
   ones are almost always a loop that never reaches an answer;
 - DAPO's overlong penalty from 64 tokens (1 at 96), so that every seed
-  learns to stop (README);
+  learns to stop (docs/smollm2.md);
 - no KL term and no reference model (as Dr. GRPO and DAPO), token-mean loss,
   sampling at temperature 0.7, learning rate 1e-5 (32 updates in all);
 - held-out: 500 problems, greedy and 2 samples each (mean@2, pass@2),
@@ -74,7 +74,7 @@ def get_config(arg=None):
   c.rl.minibatch_size = 32
   c.rl.kl_coef = 0.0
   # DAPO's overlong penalty from 64 tokens (-1 at 96): without it whether the
-  # job learns to stop within 16 steps depends on the seed (README).
+  # job learns to stop within 16 steps depends on the seed (docs/smollm2.md).
   c.rl.overlong_buffer = 32
   c.optim.lr = 1e-5
   c.optim.warmup_steps = 2

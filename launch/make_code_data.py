@@ -16,7 +16,7 @@ Each problem becomes a row of train.jsonl or eval.jsonl (a seeded split,
 (`reward.code.format='humaneval'`): the literal asserts become call-based
 cases judged outside the sandbox, and the problems whose asserts do not
 convert (7 of 164) run their check beside the program with
-`reward.code.asserts='in_program'` (see the README's sandbox section) or
+`reward.code.asserts='in_program'` (see docs/rewards_and_sandbox.md) or
 are refused at load time with `asserts='refuse'`.
 """
 

@@ -23,7 +23,7 @@ verifier (exact match against 'answer') does not reward them.
 "231"), the order in which the digits of a sum are computed: a small model
 learns addition in this order far more reliably from scratch (the default
 job's warm-up learned it with three seeds of three, against two of three
-with the usual order: README, "RL against SFT alone at equal compute").
+with the usual order: docs/results.md, "RL against SFT alone at equal compute").
 The teachers' slips are the same numbers, reversed ("130" -> "031").
 
 `rounding_slip` > 0 is a teacher that, for an addition whose sum has a

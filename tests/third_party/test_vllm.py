@@ -1,5 +1,5 @@
 """vLLM behind jrl's engine contract (third_party/vllm): run where vLLM is
-installed (README: "An outside rollout engine: vLLM"), with
+installed (docs/vllm.md), with
 
     pytest -m vllm -n 0 tests/third_party
 
@@ -32,7 +32,7 @@ from jrl.sampler import EngineConfig, Request, Sampler
 from jrl.trainers import controller
 from tests.helpers import QUIET, records, shrunk_config
 
-vllm = pytest.importorskip('vllm', reason='vLLM is not installed (README: the vLLM adapter)')
+vllm = pytest.importorskip('vllm', reason='vLLM is not installed (docs/vllm.md)')
 from third_party.vllm import engine as vllm_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm

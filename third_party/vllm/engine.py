@@ -42,7 +42,7 @@ import numpy as np
 
 INSTALL = (
   'install it with `pip install -e ".[vllm]"`, then `pip uninstall -y torchvision torchaudio '
-  'torchcodec` (README: "An outside rollout engine: vLLM")'
+  'torchcodec` (docs/vllm.md)'
 )
 REFUSED_OVERRIDES = 'its own KV cache is sized by `sampler.vllm.kv_space_gib`'
 
