@@ -503,7 +503,7 @@ def topology_section():
 
 # What each algorithm's config holds besides `SHARED`; a run's iterations are
 # `sft.steps` (a warm-up, or the whole of `sft`) plus its own section's `steps`
-# (`rl`, `dpo` or `rm`; `jrl.trainers.setup.iterations`).
+# (`rl`, `dpo` or `rm`; `jrl.trainers.checks.iterations`).
 SHARED = ('mesh', 'model', 'task', 'train', 'optim', 'eval', 'checkpoint', 'log')
 
 

@@ -442,8 +442,3 @@ class RewardService:
 
   def __exit__(self, *exc):
     self.close()
-
-
-def format_errors(scored):
-  """One line per recorded error, for logs."""
-  return '\n'.join(scored.errors) if scored.errors else ''

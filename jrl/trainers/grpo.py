@@ -1,8 +1,8 @@
 """The GRPO family (GRPO, Dr.GRPO, DAPO, GSPO, CISPO, SAPO, VESPO, RLOO,
 REINFORCE++), with an optional SFT warm-up first.
 
-`run(config)` is what `launch/train.py` calls for `algorithm='grpo'`. One
-RL iteration reads:
+`build(config)` is what `jrl.trainers.run` builds for `algorithm='grpo'`
+(registered below); one RL iteration reads:
 
     rollout  = topology.next_rollout(params, it)      # generate + score (worker)
     rollout  = place_rollout(rollout, ...)            # mesh, reference (rewards shaped)

@@ -2,7 +2,7 @@
 
 `train_step` is the pure update; `warmup` turns it into the iteration of an
 SFT phase (the warm-up before GRPO, PPO, DPO and the agent, or the whole
-run of `algorithm='sft'`); `run(config)` is the SFT algorithm: no sampler
+run of `algorithm='sft'`, built by `build(config)`): no sampler
 for training, no reward workers, no topology. Held-out accuracy is measured
 with a greedy sampler of its own, built at the first evaluation.
 """
