@@ -14,6 +14,7 @@
     python launch/bench.py rewards [--n 2000 --programs 40 --humaneval_rounds 5]
     python launch/bench.py envs [--env_ms 200 --prompts 8 --group 8 --workers 16]  # or: async
     python launch/bench.py partial [--swap_every 4 --versions 3 --drift 1e-3]
+    python launch/bench.py outside_envs [--games 8 --trials 20 --episodes 256]
 
 Each benchmark is a module of launch/benches/ (its docstring says what it
 measures and what every figure means); this file is their command line.
@@ -31,6 +32,7 @@ from launch.benches import (
   grpo,
   logprobs,
   model,
+  outside_envs,
   partial,
   rewards,
   sampler,
@@ -49,6 +51,7 @@ BENCHES = {
   'rewards': rewards,
   'envs': envs,
   'partial': partial,
+  'outside_envs': outside_envs,
 }
 
 # Other names of a benchmark: `async` is the environment pool's (asynchronous RL's
