@@ -184,9 +184,8 @@ def _needs_runtime(fn):
 
 
 def runtime_rewards(task):
-  """The names of `task`'s rewards and metrics that need a live runtime."""
-  fns = [*task.hooks('reward'), *task.hooks('metric')]
-  names = [fn.__name__ for fn in fns if _needs_runtime(fn)]
+  """The names of `task`'s rewards (its judges' included) that need a live runtime."""
+  names = [fn.__name__ for fn in task.hooks('reward') if _needs_runtime(fn)]
   names += [j.reward_name for j in task.plugged_judges() if _needs_runtime(j.score)]
   return names
 
@@ -379,6 +378,13 @@ class RolloutFailed(RuntimeError):
   """The verifiers rollout of an episode failed or timed out (its own record says how)."""
 
 
+def harness_class(harness_id):
+  """The verifiers `Harness` class of an id."""
+  from verifiers.v1.utils.loaders import harness_class as find
+
+  return find(harness_id)
+
+
 def harness_config(spec):
   """A verifiers harness config from an id ('null', 'bash', ...), a dict of its
   fields with its `id` ({'id': 'bash', 'edit': False}), or a `vf.HarnessConfig`."""
@@ -403,6 +409,10 @@ class VerifiersEnv(AgentEnv):
     harness: a verifiers harness (`harness_config`: an id such as 'null' or
       'bash', a dict of its config, a `vf.HarnessConfig`); one that needs a
       container is refused by verifiers.
+    host_code: allow a harness that runs the model's commands (verifiers'
+      `EXECUTES_CODE`: 'bash' and the other agent programs). They run on
+      this machine, outside jrl's sandbox, with access to what the trainer
+      process can read; refused unless set.
     rollout_timeout_s: verifiers' limit on the harness's run (None: none).
     scoring_timeout_s: the limit on scoring an episode.
     check_rewards: also let verifiers score its own record of the rollout,
@@ -421,6 +431,7 @@ class VerifiersEnv(AgentEnv):
     taskset,
     *,
     harness='null',
+    host_code=False,
     rollout_timeout_s=None,
     scoring_timeout_s=60.0,
     check_rewards=False,
@@ -438,6 +449,11 @@ class VerifiersEnv(AgentEnv):
     )
     self.taskset = taskset
     self.harness = harness_config(harness)
+    if not host_code and harness_class(self.harness.id).EXECUTES_CODE:
+      raise ValueError(
+        f"verifiers harness {self.harness.id!r} runs the model's commands, here on this "
+        'machine outside jrl\'s sandbox: set host_code=True to allow it, or use "null".'
+      )
     self.rollout_timeout_s = rollout_timeout_s
     self.scoring_timeout_s = scoring_timeout_s
     self.check_rewards = bool(check_rewards)
@@ -539,5 +555,4 @@ def env_factory(taskset, **options):
         started.append(AgentEndpoint().start())
     return VerifiersEnv(tokenizer, started[0], taskset, **options)
 
-  make_env.endpoint = lambda: started[0] if started else None
   return make_env

@@ -144,7 +144,7 @@ def _turn(tok, conv, text):
 def _bash_env(tok, endpoint, **kw):
   """An episode played by verifiers' bash harness: a chat loop with a `bash` tool."""
   harness = {'id': 'bash', 'edit': False, 'compaction': None}
-  return V.VerifiersEnv(tok, endpoint, TASKSET, harness=harness, **kw)
+  return V.VerifiersEnv(tok, endpoint, TASKSET, harness=harness, host_code=True, **kw)
 
 
 # Rows ----------------------------------------------------------------------------------
@@ -230,6 +230,8 @@ def test_the_single_turn_reward_function_scores_a_batch_and_leaves_failures_unsc
 
 
 def test_a_bash_harness_calls_its_tool_through_the_endpoint(tok, endpoint):
+  with pytest.raises(ValueError, match=r"'bash' runs the model's commands.*host_code=True"):
+    V.VerifiersEnv(tok, endpoint, TASKSET, harness='bash')
   env = _bash_env(tok, endpoint, check_rewards=True)
   env.reset(TRAIN[0])
   assert list(env.conversation.tools) == ['bash']  # declared by the harness's request
