@@ -146,7 +146,9 @@ class TextEpisodeEnv(Environment):
     return [*self.tokenizer.encode(conv.turn_prefix + text), conv.end_id]
 
 
-def _reward(value, where):
+def step_reward(value, where):
+  """A step's reward as a float (None counts 0); ValueError naming `where`
+  for one that is not finite."""
   reward = float(value if value is not None else 0.0)
   if not math.isfinite(reward):
     raise ValueError(f'{where} returned the reward {value!r}')
@@ -215,7 +217,7 @@ class GymTextEnv(TextEpisodeEnv):
     text = self._model_turn(turn_tokens)
     action = self.action_fn(text) if self.action_fn is not None else text
     observation, reward, terminated, truncated, self.last_info = self.env.step(action)
-    reward = _reward(reward, f'{type(self.env).__name__}.step')
+    reward = step_reward(reward, f'{type(self.env).__name__}.step')
     info = {'truncated': int(bool(truncated) and not terminated)}
     if terminated or truncated:
       return Step([], done=True, reward=reward, info=info)

@@ -78,7 +78,7 @@ import sys
 import threading
 
 from jrl.envs.base import Step
-from jrl.envs.gym_env import TextEpisodeEnv, _reward, episode_seed
+from jrl.envs.gym_env import TextEpisodeEnv, episode_seed, step_reward
 
 # -- actions and observations -------------------------------------------------------------
 
@@ -280,7 +280,7 @@ class OpenEnvEnv(TextEpisodeEnv):
     tokenizer: the checkpoint's tokenizer (with its chat template).
     env: an OpenEnv `Environment` instance (in process; one per episode), a
       server's URL ('http://127.0.0.1:8000' or 'ws://...'), or an `EnvClient`
-      (typed, not yet connected) for that server.
+      (typed, not yet connected; or its `.sync()` wrapper) for that server.
     action: the Action class (the model writes its fields as JSON:
       `json_action`), or fn(turn text) -> the action (raise ValueError for
       text that is not one: the model reads the message).
@@ -289,7 +289,8 @@ class OpenEnvEnv(TextEpisodeEnv):
       observations as (default: the dict of fields it sends; a typed
       `EnvClient` gives its own types).
     rubric: an OpenEnv `Rubric` scoring each (action, observation) here,
-      instead of the observation's reward.
+      instead of the observation's reward (reset with each episode; it sees
+      the observation as `last_observation` holds it).
     system: a system message (e.g. `action_instructions(MyAction)`), or None.
     seed: fn(example) -> the episode's seed (default `episode_seed`).
     reset_kwargs: fn(example) -> more keyword arguments of `reset`.
@@ -337,6 +338,7 @@ class OpenEnvEnv(TextEpisodeEnv):
       from openenv.core.generic_client import GenericEnvClient
 
       env = GenericEnvClient(base_url=env, message_timeout_s=step_timeout_s)
+    env = getattr(env, 'async_client', env)  # a SyncEnvClient: the client it wraps
     if hasattr(env, '_step_payload') and hasattr(env, 'connect'):  # an EnvClient
       self.session = _Session(env, step_timeout_s, observation_cls)
     elif all(callable(getattr(env, m, None)) for m in ('reset', 'step')):
@@ -372,7 +374,7 @@ class OpenEnvEnv(TextEpisodeEnv):
     self.last_observation = obs
     if self.rubric is not None:
       reward = _run_rubric(self.rubric, action, obs)
-    reward = _reward(reward, f'{self.session.where} step')
+    reward = step_reward(reward, f'{self.session.where} step')
     if done:
       return Step([], done=True, reward=reward)
     tokens = self._observe(self.observation_fn(obs))

@@ -252,6 +252,21 @@ def test_textarena_episodes_are_reproducible_per_seed_while_many_run_at_once(bpe
   assert repr(np.random.get_state()) == repr(outside[1])  # noqa: NPY002
 
 
+def test_a_reward_that_is_not_finite_ends_the_episode(bpe):
+  class Broken(WriteTheNumber):
+    def step(self, action):
+      return 'x', float('nan'), False, False, {}
+
+  env = GymTextEnv(bpe, Broken())
+  env.reset({'seed': 1})
+  step, failure, message = (
+    EnvPool(1)
+    .submit(env, env.model_turn('1'), timeout_s=10, vocab_size=10**6, max_tokens=100)
+    .result()
+  )
+  assert step is None and failure == 'env_error' and 'reward nan' in message
+
+
 def test_episode_seeds():
   assert episode_seed({'prompt': 'x', 'seed': 7}) == 7
   a = episode_seed({'prompt': 'x', 'answer': '1'})

@@ -128,7 +128,9 @@ def test_json_actions_are_checked_by_the_action_type_in_process_and_served(bpe, 
   assert '"guess"' in system and 'metadata' not in system
   local = OpenEnvEnv(bpe, GuessEnvironment(), action=GuessAction, system=system)
   served = OpenEnvEnv(bpe, servers[0].url, action=GuessAction, system=system)
+  typed = OpenEnvEnv(bpe, GuessClient(base_url=servers[0].url).sync(), action=GuessAction)
   assert local.reset(EXAMPLES[0]) == served.reset(EXAMPLES[0])  # digit 3
+  typed.reset(EXAMPLES[0])
   turns = [
     ('I think 5', 'error: the action is a JSON object'),
     ('{"guess": "five"}', 'error: invalid GuessAction: guess: Input should be a valid integer'),
@@ -138,15 +140,17 @@ def test_json_actions_are_checked_by_the_action_type_in_process_and_served(bpe, 
   rewards = []
   for text, reply in turns:
     turn = local.model_turn(text)
-    a, b = local.step(turn), served.step(turn)
+    a, b, c = local.step(turn), served.step(turn), typed.step(turn)
     assert (a.tokens, a.done, a.reward, a.info) == (b.tokens, b.done, b.reward, b.info), text
+    assert (a.done, a.reward) == (c.done, c.reward)
     rewards.append(a.reward)
     if reply is not None:
       assert reply in bpe.decode(a.tokens)
       assert a.info.get('invalid_calls', 0) == reply.startswith('error')
   assert a.done and rewards == [0.0, 0.0, pytest.approx(8 / 9), 1.0]
   assert served.invalid_actions == 2 and served.last_observation['message'] == 'Right!'
-  for env in (local, served):
+  assert isinstance(typed.last_observation, GuessObservation)  # the client's own type
+  for env in (local, served, typed):
     env.finish('done', [])
 
 
