@@ -229,6 +229,26 @@ def test_the_single_turn_reward_function_scores_a_batch_and_leaves_failures_unsc
     V.reward_fn(boxed)([None], ['2'], [row])
 
 
+score = V.reward_fn(TASKSET, timeout_s=10)  # `reward.functions` of the test below
+
+
+def test_the_reward_service_runs_the_single_turn_function_in_its_worker_processes():
+  """Named by import path, as a config names it, in `reward.mode='process'`."""
+  from jrl import rewards
+
+  service = rewards.RewardService([f'{__name__}:score'], mode='process', workers=1)
+  try:
+    rows = TRAIN + [{**TRAIN[0], 'verifiers': {**TRAIN[0]['verifiers'], 'mode': 'raise'}}]
+    replies = ['42', '98', '6', '7', '42']
+    scored = service([''] * 5, replies, rows)
+  finally:
+    service.close()
+  answers = [row['answer'] for row in TRAIN]
+  want = [expected(r, a, len(a)) for r, a in zip(replies, answers, strict=False)]
+  assert scored.total[:4].tolist() == pytest.approx(want)
+  assert scored.unscored == {f'{__name__}:score': 1}  # the row whose reward raised
+
+
 def test_a_bash_harness_calls_its_tool_through_the_endpoint(tok, endpoint):
   with pytest.raises(ValueError, match=r"'bash' runs the model's commands.*host_code=True"):
     V.VerifiersEnv(tok, endpoint, TASKSET, harness='bash')
