@@ -62,7 +62,7 @@ before its first turn). Episodes on other servers, or in process, go on.
 Seeds: `reset(seed=episode_seed(example))` (see `jrl.envs.gym_env`), so
 the `rl.group_size` samples of a prompt start from the same observation.
 
-Needs `openenv-core` (`pip install -e ".[openenv]"`; it pins the module
+Needs `openenv-core` (`pip install -e ".[openenv]"`; it ships the module
 `openenv`, and imports gradio, ~3 s, on first use); jrl's core never
 imports it.
 """
