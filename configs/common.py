@@ -171,7 +171,7 @@ def reasoning_gym_section():
   s.settings = ml_collections.ConfigDict()
   s.size = 10_000  # entries per dataset that training draws from (and held-out's seed stride)
   # how the reward reads the answer: 'answer_tag' (the last <answer>...</answer>,
-  # reasoning-gym's convention) | 'last_line' | 'whole' (the completion)
+  # reasoning-gym's convention) | 'last_line' | 'last_number' (numeric answers) | 'whole'
   s.answer = 'answer_tag'
   s.threshold = optional()  # None: the dataset's score, partial credit kept; t: 1 if >= t else 0
   # allow datasets whose scorer runs the answer through eval / sympy (code from the policy)

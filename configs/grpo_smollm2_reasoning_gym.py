@@ -7,8 +7,17 @@
 
 No data files: reasoning-gym generates the problems from seeds, offline
 (jrl/data/reasoning_gym.py), and each completion is scored by its dataset's
-own `score_answer` on the text of its last <answer>...</answer> tags
-(jrl/rewards/reasoning_gym.py), partial credit kept.
+own `score_answer` (jrl/rewards/reasoning_gym.py), partial credit kept.
+
+The answer is the completion's last number (`task.reasoning_gym.answer=
+'last_number'`), not reasoning-gym's `<answer>` tags: SmolLM2-135M keeps to
+no tag format. Measured with transformers on the converted checkpoint, 4
+samples at temperature 0.7 of 40 tokens for each of 24 / 12 held-out
+problems of the mixture's first level (2-core shared AMD EPYC, 2026-12-06):
+asked for tags with a worked example, 0 of 96 samples wrote one (reward 0
+for every sample: no signal); asked as below, 6 of 48 ended on the right
+number. For a model that writes tags: `--config.task.reasoning_gym.answer=answer_tag`
+and a system prompt that asks for them.
 
 - default: one dataset, chain_sum (sums of two or three numbers of one or
   two digits: a size a 135M model solves some of);
@@ -19,7 +28,8 @@ own `score_answer` on the text of its last <answer>...</answer> tags
 - ':smoke' (also ':mixture,smoke'): the same job shrunk to seconds
   (configs/common.py SMOKE).
 
-Choices, for a run of under an hour on 2 CPU cores (as configs/grpo_smollm2_gsm.py):
+Choices, those of configs/grpo_smollm2_gsm.py (not timed here; one step of
+4 x 4 samples took 3 min on the shared 2-core CPU, compilation included):
 16 steps of B = 8 prompts x G = 8 samples in two minibatches of 32;
 completions of at most 64 tokens with DAPO's overlong penalty from 48;
 no KL term; sampling at temperature 0.7; learning rate 1e-5. Held-out: 200
@@ -33,10 +43,10 @@ the curriculum).
 from configs import common
 
 SYSTEM_PROMPT = (
-  'Work the problem out in a line or two, then give only the final answer inside answer '
-  'tags. Example:\n'
+  'Solve the arithmetic problem with one short calculation per line, then write the final '
+  'answer. Example:\n'
   'Question: What is 3 + 4 + 5?\n'
-  'Answer: 3 + 4 = 7, 7 + 5 = 12. <answer>12</answer>'
+  'Answer: 3 + 4 = 7. 7 + 5 = 12. The answer is 12.'
 )
 
 
@@ -61,7 +71,7 @@ def get_config(arg=None):
   else:
     rg.datasets = 'chain_sum'
     rg.settings.chain_sum = {'min_terms': 2, 'max_terms': 3, 'min_digits': 1, 'max_digits': 2}
-  rg.answer = 'answer_tag'  # reasoning-gym's convention: the last <answer>...</answer>
+  rg.answer = 'last_number'  # the model writes no <answer> tags (docstring)
   c.task.train_seed = 0
   c.task.eval_seed = 1
   c.task.long_prompts = 'filter'

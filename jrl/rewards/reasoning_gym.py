@@ -26,6 +26,10 @@ Reading the answer (`extract`):
 * 'answer_tag' (reasoning-gym's convention, its default system prompt asks
   for it): the text of the last `<answer>...</answer>`, stripped;
 * 'last_line': the last line that is not blank, stripped;
+* 'last_number': the last number (an integer or decimal, its sign kept,
+  thousands commas dropped), for datasets whose answers are numbers
+  (basic_arithmetic, chain_sum, leg_counting, ...) and a model too small to
+  keep to a format (SmolLM2-135M writes no answer tags);
 * 'whole': the whole completion, stripped.
 
 No answer found is 0.0 (the policy's doing), never unscored; an answer the
@@ -40,10 +44,11 @@ task.
 """
 
 import collections
+import re
 
 from jrl.rewards.base import register
 
-EXTRACTORS = ('answer_tag', 'last_line', 'whole')
+EXTRACTORS = ('answer_tag', 'last_line', 'last_number', 'whole')
 
 # Datasets whose score_answer evaluates the model's answer as Python (eval, or
 # sympy's parse_expr), found by reading their scorers' source (reasoning-gym 0.1.25;
@@ -64,6 +69,7 @@ EVALUATES_ANSWERS = frozenset(
 
 MAX_ANSWER_CHARS = 20_000  # a longer extracted answer is wrong, never given to a scorer
 _OPEN, _CLOSE = '<answer>', '</answer>'
+_NUMBER = re.compile(r'-?\d+(?:,\d{3})*(?:\.\d+)?')
 _CACHED = 64  # datasets kept per process (one per dataset and curriculum level)
 _datasets = collections.OrderedDict()
 
@@ -83,6 +89,9 @@ def extract(completion, how):
   if how == 'last_line':
     lines = [line.strip() for line in completion.splitlines() if line.strip()]
     return lines[-1] if lines else None
+  if how == 'last_number':
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1].replace(',', '') if numbers else None
   if how == 'whole':
     return completion.strip() or None
   raise ValueError(f'`task.reasoning_gym.answer` must be one of {EXTRACTORS}, got {how!r}.')

@@ -349,6 +349,9 @@ class RolloutWorker:
     signal) and draws more prompts until `prompts_per_step` groups are kept;
     if `dynamic_sampling_max_draws` runs out, dropped groups fill up. With
     `reward.unscored='drop'` only a group's scored completions count there.
+    A generated task that observes its scores (a curriculum,
+    `jrl.data.reasoning_gym`) sees every draw's, dropped groups' too
+    (`PromptStream.observe`), and adds its metrics.
     """
     rl = self.config.rl
     version = iteration if version is None else version

@@ -155,11 +155,18 @@ def test_other_extractors():
   assert rg_reward.extract('work\n\n  42  \n\n', 'last_line') == '42'
   assert rg_reward.extract('  42 \n', 'whole') == '42'
   assert rg_reward.extract('   ', 'last_line') is None
+  assert rg_reward.extract('3 - 5 = -2. The answer is -2.', 'last_number') == '-2'
+  assert rg_reward.extract('in all 1,234 legs', 'last_number') == '1234'
+  assert rg_reward.extract('about 2.50 each', 'last_number') == '2.50'
+  assert rg_reward.extract('no digits', 'last_number') is None
   with pytest.raises(ValueError, match=r'task\.reasoning_gym\.answer'):
     rg_reward.extract('x', 'first_line')
   row = make_row('chain_sum', 0, extract='last_line')
   right = row['reasoning_gym']['entry']['answer']
   texts = [f'I add them.\n{right}', f'{right}\nthat is all']
+  assert rg_reward.reasoning_gym_score([''] * 2, texts, [row] * 2) == [1.0, 0.0]
+  row['reasoning_gym']['extract'] = 'last_number'
+  texts = [f'1 + 2 = 3, so the answer is {right}.', f'{right}, or maybe {int(right) + 1}']
   assert rg_reward.reasoning_gym_score([''] * 2, texts, [row] * 2) == [1.0, 0.0]
 
 
