@@ -326,9 +326,7 @@ class Scheduler:
         if slot in answers:
           answer = answers[slot]
         else:
-          answer = on_turn_end(
-            i, g, out_tokens[row, :n_out].copy(), out_logp[row, :n_out].copy()
-          )
+          answer = on_turn_end(i, g, out_tokens[row, :n_out].copy(), out_logp[row, :n_out].copy())
           if isinstance(answer, concurrent.futures.Future):
             if not answer.done():
               self.parked[slot] = answer
