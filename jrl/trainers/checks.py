@@ -108,6 +108,14 @@ FIELDS = {
   'task.eval_size': count(0),
   'task.max_prompt_len': count(1),
   'task.max_response_len': count(1),
+  # reasoning-gym (jrl/data/reasoning_gym.py); `settings.<dataset>.<field>` are the
+  # dataset's own fields, checked by its config class when the task is built
+  'task.reasoning_gym.size': count(1),
+  'task.reasoning_gym.threshold': Range(False, 0, 1, lo_open=True, also=(None,)),
+  'task.reasoning_gym.curriculum.raise_at': Range(False, 0, 1, also=(None,)),
+  'task.reasoning_gym.curriculum.lower_at': Range(False, 0, 1, also=(None,)),
+  'task.reasoning_gym.curriculum.window': count(1),
+  'task.reasoning_gym.curriculum.start_level': count(0),
   'train.chunk_size': count(1),
   'train.pack_row_len': count(0),  # 0: max_prompt_len + max_response_len
   'train.micro_batch_tokens': count(0),  # 0: no token-budget micro-batches
