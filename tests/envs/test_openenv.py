@@ -42,6 +42,23 @@ from tests.envs.openenv_guess import (
 from tests.envs.test_chat import TEMPLATES
 from tests.helpers import train_byte_bpe
 
+
+@pytest.fixture(scope='module', autouse=True)
+def _no_persistent_cache_writes():
+  """Serialising an executable for the persistent compilation cache crashed
+  an xdist worker once in this module (a segmentation fault in XLA's
+  `executable.serialize()` under the fresh-clone CI run, 2026-12-06, not
+  reproduced since): its programs are compiled without writing the cache."""
+  import jax
+
+  # (The cache itself is latched on at first use: a write is skipped below
+  # this compile time.)
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1e9)
+  yield
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', before)
+
+
 APP = 'tests.envs.openenv_guess:app'
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = [{'prompt': '', 'answer': '', 'seed': s} for s in (13, 16)]  # digits 3 and 6
