@@ -331,11 +331,22 @@ class Conversation:
     self.text = self._render(messages, True)
     self.ids = list(tokenizer.encode(self.text))
     self.stats = collections.Counter()
+    self._reported = collections.Counter()  # `stats` as `render_info` last returned them
 
   def _render(self, messages, generation_prompt):
     return self.tokenizer.apply_chat_template(
       messages, add_generation_prompt=generation_prompt, **self.kwargs
     )
+
+  def render_info(self):
+    """The render checks counted since the last call, as a step's info:
+    {'render_rewritten', 'render_token_diff'} (`stats` holds the episode's)."""
+    stats, seen = self.stats, self._reported
+    self._reported = collections.Counter(stats)
+    return {
+      'render_rewritten': stats['rewritten'] - seen['rewritten'],
+      'render_token_diff': stats['token_diff'] - seen['token_diff'],
+    }
 
   def prompt_ids(self):
     return list(self.ids)
@@ -457,7 +468,6 @@ class ChatToolEnv(Environment):
     messages = [{'role': 'system', 'content': self.system}] if self.system else []
     messages.append({'role': 'user', 'content': example['prompt']})
     self.conversation = Conversation(self.tokenizer, messages, tools=self.tools, **self.options)
-    self._seen = collections.Counter()
     return self.conversation.prompt_ids()
 
   def _call(self, call):
@@ -513,14 +523,8 @@ class ChatToolEnv(Environment):
     return Step(tokens, info=dict(info))
 
   def _render_info(self):
-    """This step's render checks (`Conversation.stats` counts the episode's)."""
-    stats, seen = self.conversation.stats, self._seen
-    out = {
-      'render_rewritten': stats['rewritten'] - seen['rewritten'],
-      'render_token_diff': stats['token_diff'] - seen['token_diff'],
-    }
-    self._seen = collections.Counter(stats)
-    return out
+    """This step's render checks (`Conversation.render_info`)."""
+    return self.conversation.render_info()
 
   def final_reward(self, trajectory_text):
     """The episode ended on an end-of-sequence token outside a turn end."""

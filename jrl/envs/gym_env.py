@@ -51,7 +51,6 @@ Needs `gymnasium` for environment ids (`pip install -e ".[gym]"`) and
 `textarena` for its games (`".[textarena]"`); jrl's core never imports them.
 """
 
-import collections
 import contextlib
 import hashlib
 import json
@@ -110,14 +109,12 @@ class TextEpisodeEnv(Environment):
     self.options = dict(family=family, on_rewrite=on_rewrite, template_kwargs=template_kwargs)
     self.turn_stop_tokens = (turn_end(tokenizer)[1],)
     self.conversation = None
-    self._seen = collections.Counter()
 
   def _open(self, observation_text):
     """The prompt's token ids: the system message, then the first observation."""
     messages = [{'role': 'system', 'content': self.system}] if self.system else []
     messages.append({'role': 'user', 'content': observation_text})
     self.conversation = Conversation(self.tokenizer, messages, **self.options)
-    self._seen = collections.Counter()
     return self.conversation.prompt_ids()
 
   def _model_turn(self, turn_tokens):
@@ -130,14 +127,8 @@ class TextEpisodeEnv(Environment):
     return self.conversation.append([{'role': 'user', 'content': observation_text}])
 
   def _render_info(self):
-    """This step's render checks (`Conversation.stats` counts the episode's)."""
-    stats, seen = self.conversation.stats, self._seen
-    out = {
-      'render_rewritten': stats['rewritten'] - seen['rewritten'],
-      'render_token_diff': stats['token_diff'] - seen['token_diff'],
-    }
-    self._seen = collections.Counter(stats)
-    return out
+    """This step's render checks (`Conversation.render_info`)."""
+    return self.conversation.render_info()
 
   def model_turn(self, text):
     """The tokens a model that follows the template samples to write `text`
