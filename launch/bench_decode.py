@@ -23,6 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:  # imported as launch.<module> (tests), or run as a script from launch/
+  from launch import machine
+except ImportError:
+  import machine
+
 
 def median_seconds(fn, args, repeats, inner=20):
   jax.block_until_ready(fn(*args))
@@ -119,7 +124,15 @@ def main(argv=None):
   if args.out:
     with open(args.out, 'w', encoding='utf-8') as f:
       json.dump(
-        {'whole_s': whole, 'step_s': step_s, 'pieces_s': pieces, 'args': vars(args)}, f, indent=2
+        {
+          'machine': machine.record(),
+          'whole_s': whole,
+          'step_s': step_s,
+          'pieces_s': pieces,
+          'args': vars(args),
+        },
+        f,
+        indent=2,
       )
 
 

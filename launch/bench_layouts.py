@@ -30,6 +30,7 @@ import optax
 
 from jrl import models
 from jrl.trainers import common, policy_step
+from launch import machine
 from launch.benches.common import MODEL_SIZES
 
 
@@ -144,7 +145,7 @@ def main(argv=None):
     )
   if args.out:
     with open(args.out, 'w') as f:
-      json.dump({'args': vars(args), 'results': results}, f, indent=1)
+      json.dump({'machine': machine.record(), 'args': vars(args), 'results': results}, f, indent=1)
 
 
 if __name__ == '__main__':

@@ -30,6 +30,11 @@ import resource
 import statistics
 import time
 
+try:  # imported as launch.<module> (tests), or run as a script from launch/
+  from launch import machine
+except ImportError:
+  import machine
+
 
 def system_prompt(path):
   """The SYSTEM_PROMPT string constant of a config file (read, not imported)."""
@@ -188,6 +193,7 @@ def main(argv=None):
   if args.out:
     figures = {
       'peer': f'trl {trl.__version__}',
+      'machine': machine.record(),
       'args': vars(args),
       'median_s': med,
       'steps': steps,

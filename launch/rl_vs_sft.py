@@ -38,6 +38,11 @@ import subprocess
 import sys
 import time
 
+try:  # imported as launch.<module> (tests), or run as a script from launch/
+  from launch import machine
+except ImportError:
+  import machine
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -187,7 +192,7 @@ def main(argv=None):
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w', encoding='utf-8') as f:
-      json.dump(result, f, indent=1)
+      json.dump({'machine': machine.record(), **result}, f, indent=1)
   return result
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import costmodel
+from launch import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,6 +116,11 @@ MODEL_SIZES = {
 }
 
 
+def backend():
+  """JAX's backend and its first device's kind, e.g. 'cpu (cpu)'."""
+  return f'{jax.default_backend()} ({jax.devices()[0].device_kind})'
+
+
 def measure_matmul_peak(n=2048, dtype='float32', repeats=10):
   """Best FLOP/s of an n×n×n matmul on the default device (fastest of `repeats`:
   a peak, so the least disturbed run counts)."""
@@ -196,10 +202,13 @@ def set_fields(config, assignments):
 
 
 def write_json(path, figures):
-  """`figures` as JSON at `path` ('' : nowhere)."""
+  """`figures` as JSON at `path` ('' : nowhere), with the machine's record
+  (`launch/machine.py`: CPU model, cores, flags, versions) under 'machine'
+  and the device JAX ran on under 'backend'."""
   if path:
+    record = {'machine': machine.record(), 'backend': backend(), **figures}
     with open(path, 'w', encoding='utf-8') as f:
-      json.dump(figures, f, indent=2, default=str)
+      json.dump(record, f, indent=2, default=str)
     print(f'figures written to {path}')
 
 

@@ -16,6 +16,7 @@ import statistics
 
 import jax
 
+from launch import machine
 from launch.benches import common
 
 HELP = 'seconds per stage of a GRPO step'
@@ -120,6 +121,7 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   if rl.kl_coef > 0:
     mfu['reference'] = forward * run / rl.epochs / med('time/reference') / peak
   mfu['update'] = update_flops / med('time/update') / peak
+  print(f'{p}{machine.describe()}')
   for stage in ('generate', 'reward', 'reference', 'update', 'step'):
     print(f'{p}{stage:10s} {med("time/" + stage):8.3f} s')
   print(
