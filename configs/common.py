@@ -103,7 +103,9 @@ def model_section():
   s.remat = 'auto'
   s.scan_layers = False  # run the layers in one jax.lax.scan (needs every layer alike)
   # Attention kernel of the training passes: 'auto' (XLA on CPU, cuDNN flash attention on
-  # GPU in bf16/fp16, Pallas splash attention on TPU), or one of 'xla', 'cudnn', 'splash'.
+  # GPU in bf16/fp16, Pallas splash attention on TPU), or one of 'xla', 'cudnn', 'splash',
+  # 'lse' (XLA's numbers; its backward keeps O(T) per row, not each layer's [H, T, T]
+  # probabilities: what lets remat 'none' fit, jrl/models/lse_attention.py).
   s.attention = 'auto'
   # LoRA (Hu et al., 2021): train low-rank adapters on the projections, the base frozen
   # (no update, no optimiser state). `export_hf` writes the merged weights and, in

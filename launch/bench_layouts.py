@@ -11,7 +11,8 @@ position), then padded rows cut to the batch and logits at the completion
 window (`jrl.data.layouts`), the same in micro-batches of `--micro_tokens`,
 and shared-prompt rows. Prints seconds (median of `--repeats`), the ratio to
 the first layout, the largest loss difference and the XLA temporaries of
-one part's compiled program (`--remat`: the model's remat policy);
+one part's compiled program (`--remat`: the model's remat policy, `--attention` its training
+attention kernel);
 `--out FILE` writes them as JSON.
 """
 
@@ -69,12 +70,15 @@ def main(argv=None):
   parser.add_argument('--max_prompt_len', type=int, default=128)
   parser.add_argument('--micro_tokens', type=int, default=2048, help='0: no micro-batch row')
   parser.add_argument('--remat', default='none')
+  parser.add_argument('--attention', default='auto', help='training attention kernel')
   parser.add_argument('--repeats', type=int, default=2)
   parser.add_argument('--layouts', default='full,padded,padded_micro,shared_prompt')
   parser.add_argument('--out', default='')
   args = parser.parse_args(argv)
 
-  config = models.ModelConfig(**MODEL_SIZES[args.size], remat=args.remat)
+  config = models.ModelConfig(
+    **MODEL_SIZES[args.size], remat=args.remat, attention_impl=args.attention
+  )
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
   batch = grpo_batch(
     args.prompts, args.group, args.completion, args.max_prompt_len, config.vocab_size

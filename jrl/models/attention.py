@@ -22,6 +22,7 @@ import numpy as np
 
 from jrl import precision
 from jrl.models import attention_kernels
+from jrl.models.lse_attention import lse_attention
 
 NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
 
@@ -108,7 +109,7 @@ def within_window(q_pos, k_pos, window):
   return q_pos - k_pos < window
 
 
-IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'splash')
+IMPLEMENTATIONS = ('auto', 'xla', 'lse', 'cudnn', 'splash')
 
 
 def causal_attention(
@@ -126,7 +127,9 @@ def causal_attention(
   packed rows), score scale and soft-cap.
 
   `implementation` picks the kernel (`jrl.models.attention_kernels`):
-  'xla' is `dot_attention` on the dense mask; 'cudnn' the same mask through
+  'xla' is `dot_attention` on the dense mask; 'lse' the same numbers with a
+  backward that stores O(T) per row instead of every layer's [H, T, S]
+  probabilities (`jrl.models.lse_attention`); 'cudnn' the same mask through
   cuDNN flash attention (float16 / bfloat16, no soft-cap); 'splash' the
   Pallas TPU kernel (interpret mode off TPU: slow, for tests; under the
   `jax.set_mesh` mesh in context, if any, one call per shard), whose window
@@ -157,6 +160,8 @@ def causal_attention(
       )
     if impl == 'xla':
       return dot_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap)
+    if impl == 'lse':
+      return lse_attention(q, k, v, allowed, scale=opts.scale, softcap=opts.softcap)
     if impl == 'cudnn':
       if opts.softcap is not None:
         raise ValueError("implementation='cudnn' takes no attention soft-cap; use 'xla'.")
@@ -198,7 +203,9 @@ def causal_attention(
   return attend_layer
 
 
-def shared_prompt_attention(mask_RxL, positions_RxL, branches_RxGxU, config=None):
+def shared_prompt_attention(
+  mask_RxL, positions_RxL, branches_RxGxU, config=None, *, implementation='auto'
+):
   """Attention of shared-prompt rows (`jrl.data.layouts.shared_prompt`): each
   row holds one prompt in its first P = L − G·U columns, then G branches of
   U columns, each a completion of that prompt. A prompt token sees the
@@ -209,7 +216,9 @@ def shared_prompt_attention(mask_RxL, positions_RxL, branches_RxGxU, config=None
 
   The branch queries attend over [prompt ‖ own branch] keys (P + U), not
   the row's L: the cost is that of the unshared rows less the repeated
-  prompts. Always the XLA `dot_attention` (no kernel takes this mask yet).
+  prompts. `dot_attention`, or with `implementation` 'lse' (or 'auto'
+  choosing it) `lse_attention`; the cuDNN and splash kernels do not take
+  this mask, and stand for 'xla' here.
 
   Args:
     mask_RxL: [R, L] bool real tokens.
@@ -251,7 +260,13 @@ def shared_prompt_attention(mask_RxL, positions_RxL, branches_RxGxU, config=None
     )
     allowed_prompt, allowed_branch = masks(opts.window)
     kw = dict(scale=opts.scale, softcap=opts.softcap)
-    out_prompt = dot_attention(q[:, :p], k[:, :p], v[:, :p], allowed_prompt, **kw)
+    impl = implementation
+    if impl == 'auto':
+      impl = attention_kernels.auto_implementation(
+        dtype=q.dtype, head_dim=q.shape[-1], seq_len=length, softcap=opts.softcap, batch=r
+      )
+    attend = lse_attention if impl == 'lse' else dot_attention
+    out_prompt = attend(q[:, :p], k[:, :p], v[:, :p], allowed_prompt, **kw)
 
     def keys(x_RxLxKxd):
       # [prompt ‖ own branch] per branch: the prompt's keys repeated G times.
@@ -262,7 +277,7 @@ def shared_prompt_attention(mask_RxL, positions_RxL, branches_RxGxU, config=None
       )
 
     q_branch = q[:, p:].reshape(r * g, u, *q.shape[2:])
-    out_branch = dot_attention(q_branch, keys(k), keys(v), allowed_branch, **kw)
+    out_branch = attend(q_branch, keys(k), keys(v), allowed_branch, **kw)
     out = jnp.concatenate([out_prompt, out_branch.reshape(r, g * u, *q.shape[2:])], axis=1)
     return out, cache
 

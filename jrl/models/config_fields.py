@@ -37,7 +37,7 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 ACTIVATIONS = ('silu', 'gelu_tanh')  # SwiGLU; GeGLU with the tanh approximation of GELU
 LAYER_TYPES = ('full', 'sliding')
 MOE_IMPLS = ('ragged', 'dense')
-ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'splash')  # jrl.models.attention.IMPLEMENTATIONS
+ATTENTION_IMPLS = ('auto', 'xla', 'lse', 'cudnn', 'splash')  # jrl.models.attention.IMPLEMENTATIONS
 # Per-layer activation checkpointing: what the backward pass keeps of a block.
 #   none           everything (no recomputation)
 #   full           only the block's input; the whole block is recomputed

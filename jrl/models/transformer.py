@@ -296,7 +296,9 @@ def hidden_states(
       mask, positions, cfg, segment_ids, implementation=cfg.attention_impl
     )
   else:
-    attention = shared_prompt_attention(mask, positions, branches, cfg)
+    attention = shared_prompt_attention(
+      mask, positions, branches, cfg, implementation=cfg.attention_impl
+    )
   hidden, _, router_logits = model(tokens, positions, attention, return_router_logits=True)
   if not with_router_loss:
     return hidden
