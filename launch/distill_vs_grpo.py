@@ -25,15 +25,13 @@ compared.
 """
 
 import argparse
-import json
 import os
 import shutil
 import time
 
 try:  # imported as launch.<module> (tests), or run as a script from launch/
-  from launch import machine, rl_vs_sft
+  from launch import rl_vs_sft
 except ImportError:
-  import machine
   import rl_vs_sft
 
 ARMS = ('grpo', 'distill')
@@ -73,10 +71,7 @@ def main(argv=None):
   start = time.time()
 
   def train(name, run_overrides):
-    workdir = os.path.abspath(os.path.join(args.workdir, name))
-    train_args = ['launch/train.py', f'--config={args.config}', f'--config.workdir={workdir}']
-    rl_vs_sft._run([*train_args, *run_overrides], os.path.join(args.workdir, f'{name}.train.log'))
-    return workdir
+    return rl_vs_sft.train_run(args.config, args.workdir, name, run_overrides)
 
   teacher = args.teacher
   if not teacher:
@@ -125,10 +120,7 @@ def main(argv=None):
     print(f'  {arm:8s} {s["mean"]:.3f} ± {s["se"]:.3f}   RL seconds {s["rl_seconds"]:.0f}')
   g = result['gain_of_distill_over_grpo']
   print(f'  distill over grpo, paired by seed: {g["paired_gain"]:+.3f} ± {g["paired_se"]:.3f}')
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w', encoding='utf-8') as f:
-      json.dump({'machine': machine.record(), **result}, f, indent=1)
+  rl_vs_sft.write_result(args.out, result)
   return result
 
 

@@ -54,6 +54,23 @@ def _run(args, log_path):
     raise SystemExit(f'{" ".join(args[:3])} ... failed ({proc.returncode}); see {log_path}')
 
 
+def train_run(config, root, name, overrides):
+  """Runs launch/train.py on `config` in `root`/`name` (its log beside it,
+  `name`.train.log); returns the run's absolute workdir."""
+  workdir = os.path.abspath(os.path.join(root, name))
+  train_args = ['launch/train.py', f'--config={config}', f'--config.workdir={workdir}']
+  _run([*train_args, *overrides], os.path.join(root, f'{name}.train.log'))
+  return workdir
+
+
+def write_result(path, result):
+  """`result` as JSON at `path` ('': nowhere), with the machine's record."""
+  if path:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump({'machine': machine.record(), **result}, f, indent=1)
+
+
 def _records(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
     return [json.loads(line) for line in f if line.strip()]
@@ -131,10 +148,7 @@ def main(argv=None):
   start = time.time()
 
   def train(name, run_overrides):
-    workdir = os.path.abspath(os.path.join(args.workdir, name))
-    train_args = ['launch/train.py', f'--config={config_path}', f'--config.workdir={workdir}']
-    _run([*train_args, *run_overrides], os.path.join(args.workdir, f'{name}.train.log'))
-    return workdir
+    return train_run(config_path, args.workdir, name, run_overrides)
 
   for seed in seeds:
     seeded = [*overrides, f'--config.seed={seed}']
@@ -189,10 +203,7 @@ def main(argv=None):
       f'  RL over {arm}: {g["gain"]:+.3f} ± {g["se"]:.3f} ({ratio} SE); paired by seed: '
       f'{g["paired_gain"]:+.3f} ± {g["paired_se"]:.3f} ({paired} SE)'
     )
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w', encoding='utf-8') as f:
-      json.dump({'machine': machine.record(), **result}, f, indent=1)
+  write_result(args.out, result)
   return result
 
 
