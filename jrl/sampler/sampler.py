@@ -363,7 +363,6 @@ class Sampler:
     )
     if kv_on_swap not in ('keep', 'recompute'):
       raise ValueError(f"`kv_on_swap` must be 'keep' or 'recompute', got {kv_on_swap!r}.")
-    cfg = self.cfg
     self.stats = stats = SamplerStats()
     state = self.init_state() if state is None else state
     truncate = any((r.top_k > 0 or r.top_p < 1.0) and not r.greedy for r in requests)
@@ -371,7 +370,7 @@ class Sampler:
       requests,
       group_size,
       share_prompt,
-      cfg,
+      self.cfg,
       self.replicas,
       self.slots_per_replica,
       self.max_prefill_batch,
@@ -382,103 +381,130 @@ class Sampler:
       new = None if weights_at is None else weights_at(stats.dispatches)
       if new is not None and new[1] != sched.version:
         params, state = self._swap(state, sched, *new, kv_on_swap)
-      # Admit what fits, in order, each group into the replica with most idle slots.
-      admitted = sched.admit(self._slot_request)
-      if any(admitted):
-        start = time.perf_counter()
-        t_start = self.tracer.now()
-        state = self._admit_round(params, state, admitted, truncate, sched.max_batch)
-        stats.prefill_seconds += time.perf_counter() - start
-        rows = [row for rows in admitted for row in rows]
-        self.tracer.add(
-          'prefill',
-          t_start,
-          self.tracer.now(),
-          'sampler',
-          tokens=sum(n for _, n, _, _ in rows),
-          samples=sum(len(local) for _, _, local, _ in rows),
-        )
-        stats.prefills += len(rows)
-        stats.prefill_calls += 1
-
+      state = self._admit_step(params, state, sched, stats, truncate)
       finished = []
       if sched.decodable:
-        start = time.perf_counter()
-        t_start = self.tracer.now()
-        active = len(sched.slot_owner)
-        max_pages = cfg.max_pages_per_slot
-        if self._page_bound:
-          max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
-        decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
-        # Idle and finished slots cost nothing: decode the occupied ones only.
-        index = sched.decode_index() if self.compaction else None
-        early = self.compaction and self.replicas == 1
-        if index is None:
-          width = sched.num_slots
-          until_live = early * narrower_width(sched.sr)
-          state = self._generate(params, state, **decode, until_live=until_live)
-        else:
-          width = index.size
-          until_live = early * narrower_width(index.shape[1])
-          state = self._generate_slots(params, state, index, **decode, until_live=until_live)
-          stats.compactions += 1
-        done, free_top, held, gen = (
-          np.asarray(a).reshape(-1)
-          for a in _host((state.done, state.free_top, state.num_pages, state.num_generated))
-        )
-        steps_run = sched.decoded(held, gen)
-        stats.decode_steps += steps_run
-        stats.decode_rows += width * steps_run
-        stats.decode_seconds += time.perf_counter() - start
-        self.tracer.add(
-          'decode',
-          t_start,
-          self.tracer.now(),
-          'sampler',
-          active=active,
-          rows=width,
-          steps=steps_run,
-          max_pages=int(max_pages),
-        )
-        stats.dispatches += 1
-        stats.peak_pages = max(stats.peak_pages, int(np.sum(sched.capacity - free_top)))
-
-        finished = sched.finished(done)
+        state, finished = self._decode_step(params, state, sched, stats, truncate)
       else:  # every sample waits for its environment: nothing to decode
-        start = time.perf_counter()
-        with self.tracer.span('env_wait', 'sampler', parked=len(sched.parked)):
-          sched.wait_parked()
-        stats.env_wait_seconds += time.perf_counter() - start
+        self._wait_for_environments(sched, stats)
       answers = sched.unparked()
       finished += list(answers)
-      if not finished:
-        continue
-      # Whole [R, S/R, ...] arrays, indexed on the host: indexing on the device
-      # would compile one gather per number of finished slots.
-      idx = np.asarray(finished)
-      out_tokens, out_logp, num_gen, reasons = (
-        np.asarray(a).reshape(sched.num_slots, *np.shape(a)[2:])[idx]
-        for a in _host(
-          (state.out_tokens, state.out_logprobs, state.num_generated, state.finish_reason)
-        )
-      )
-      continuing, finished, tokens = sched.retire(
-        finished, out_tokens, out_logp, num_gen, reasons, on_turn_end, answers
-      )
-      stats.env_parked_peak = max(stats.env_parked_peak, len(sched.parked))
-      stats.generated_tokens += tokens
-      if continuing:
-        state = self._resume(state, *sched.resume_args(continuing))
-        stats.env_turns += len(continuing)
-      if not finished:
-        continue
-      state = self._free(state, sched.release(finished))
+      if finished:
+        state = self._retire_step(state, sched, stats, finished, answers, on_turn_end)
     free_top, refcount, active = _host((state.free_top, state.refcount, state.active))
     stats.pages_free_at_end = int(np.sum(free_top))
     stats.pages_referenced_at_end = int(np.count_nonzero(refcount))
     stats.slots_active_at_end = int(np.count_nonzero(active))
     self.stats = stats  # an evaluation run while a partial rollout waited replaced it
     return sched.results
+
+  # One round of the loop: admit, decode (or wait), retire -----------------------
+  # `stats` is the call's own SamplerStats: an evaluation run inside
+  # `weights_at` replaces `self.stats` while this call is still running.
+
+  def _admit_step(self, params, state, sched, stats, truncate):
+    """Admits what fits, in order, each group into the replica with the most
+    idle slots, as one prefill call; the new DecodeState."""
+    admitted = sched.admit(self._slot_request)
+    if not any(admitted):
+      return state
+    start = time.perf_counter()
+    t_start = self.tracer.now()
+    state = self._admit_round(params, state, admitted, truncate, sched.max_batch)
+    stats.prefill_seconds += time.perf_counter() - start
+    rows = [row for rows in admitted for row in rows]
+    self.tracer.add(
+      'prefill',
+      t_start,
+      self.tracer.now(),
+      'sampler',
+      tokens=sum(n for _, n, _, _ in rows),
+      samples=sum(len(local) for _, _, local, _ in rows),
+    )
+    stats.prefills += len(rows)
+    stats.prefill_calls += 1
+    return state
+
+  def _decode_step(self, params, state, sched, stats, truncate):
+    """One decode dispatch of `steps_per_dispatch` steps over the occupied
+    slots (all of them without compaction).
+
+    Returns:
+      (state, the global slots whose sample stopped).
+    """
+    cfg = self.cfg
+    start = time.perf_counter()
+    t_start = self.tracer.now()
+    active = len(sched.slot_owner)
+    max_pages = cfg.max_pages_per_slot
+    if self._page_bound:
+      max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
+    decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
+    # Idle and finished slots cost nothing: decode the occupied ones only.
+    index = sched.decode_index() if self.compaction else None
+    early = self.compaction and self.replicas == 1
+    if index is None:
+      width = sched.num_slots
+      until_live = early * narrower_width(sched.sr)
+      state = self._generate(params, state, **decode, until_live=until_live)
+    else:
+      width = index.size
+      until_live = early * narrower_width(index.shape[1])
+      state = self._generate_slots(params, state, index, **decode, until_live=until_live)
+      stats.compactions += 1
+    done, free_top, held, gen = (
+      np.asarray(a).reshape(-1)
+      for a in _host((state.done, state.free_top, state.num_pages, state.num_generated))
+    )
+    steps_run = sched.decoded(held, gen)
+    stats.decode_steps += steps_run
+    stats.decode_rows += width * steps_run
+    stats.decode_seconds += time.perf_counter() - start
+    self.tracer.add(
+      'decode',
+      t_start,
+      self.tracer.now(),
+      'sampler',
+      active=active,
+      rows=width,
+      steps=steps_run,
+      max_pages=int(max_pages),
+    )
+    stats.dispatches += 1
+    stats.peak_pages = max(stats.peak_pages, int(np.sum(sched.capacity - free_top)))
+    return state, sched.finished(done)
+
+  def _wait_for_environments(self, sched, stats):
+    """Blocks until a parked sample's environment answers."""
+    start = time.perf_counter()
+    with self.tracer.span('env_wait', 'sampler', parked=len(sched.parked)):
+      sched.wait_parked()
+    stats.env_wait_seconds += time.perf_counter() - start
+
+  def _retire_step(self, state, sched, stats, finished, answers, on_turn_end):
+    """The stopped samples (`finished` slots; `answers`: the parked ones whose
+    environment answered) end, or continue with their environment's tokens
+    on their cached pages; the pages of those that end are freed."""
+    # Whole [R, S/R, ...] arrays, indexed on the host: indexing on the device
+    # would compile one gather per number of finished slots.
+    idx = np.asarray(finished)
+    out_tokens, out_logp, num_gen, reasons = (
+      np.asarray(a).reshape(sched.num_slots, *np.shape(a)[2:])[idx]
+      for a in _host(
+        (state.out_tokens, state.out_logprobs, state.num_generated, state.finish_reason)
+      )
+    )
+    continuing, ended, tokens = sched.retire(
+      finished, out_tokens, out_logp, num_gen, reasons, on_turn_end, answers
+    )
+    stats.env_parked_peak = max(stats.env_parked_peak, len(sched.parked))
+    stats.generated_tokens += tokens
+    if continuing:
+      state = self._resume(state, *sched.resume_args(continuing))
+      stats.env_turns += len(continuing)
+    if ended:
+      state = self._free(state, sched.release(ended))
+    return state
 
 
 def _host(arrays):
