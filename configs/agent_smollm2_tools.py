@@ -54,6 +54,8 @@ def get_config(arg=None):
   c.task.chat_template = False  # the environment renders the conversation
   c.task.system_prompt = ''
   c.task.max_prompt_len = 232  # tokens: the system prompt with the tool (~200) and the question
+  if way == 'mcp':  # the server's schema carries pydantic's titles: ~20 more tokens
+    c.task.max_prompt_len = 256
   c.task.max_response_len = 192  # the episode's model and tool tokens after the prompt
   c.task.eval_size = 200
   c.rl.overlong_buffer = 0

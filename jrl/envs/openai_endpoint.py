@@ -401,7 +401,10 @@ class AgentEnv(Environment):
     new = [self._for_template(m) for m in messages[n:]]
     self.sent += [dict(m) for m in messages[n:]]
     self.pending = outcome
-    return Step(self.conversation.append(new), info={'agent_requests': 1})
+    # The agent ran the tools itself: its tool messages count as the calls made.
+    ran = sum(m.get('role') == 'tool' for m in messages[n:])
+    info = {'agent_requests': 1, 'tool_calls': ran}
+    return Step(self.conversation.append(new), info=info)
 
   def _for_template(self, message):
     """A message the agent added, as the template renders it."""

@@ -195,14 +195,15 @@ def episode_metrics(episodes, rewards):
   return metrics
 
 
-def reset_group(group, example, pad_id):
+def reset_group(group, example, pad_id, max_prompt_len=None):
   """The prompt of a group's episodes (`Episode`s), each reset on `example`:
   the first reset's token ids. An environment that fails at its reset ends
   its own episode before its first turn, unscored, never the run: a reset
-  that raised ('env_error', e.g. a server that is down) or that gave
-  another prompt than its group's ('env_invalid': the G samples of a prompt
-  share its tokens, so an environment must start the same episode for the
-  same example). A group whose resets all failed gets the prompt [pad_id]."""
+  that raised ('env_error', e.g. a server that is down), that gave another
+  prompt than its group's ('env_invalid': the G samples of a prompt share
+  its tokens, so an environment must start the same episode for the same
+  example) or a prompt longer than `max_prompt_len` (`task.max_prompt_len`,
+  'env_invalid'). A group whose resets all failed gets the prompt [pad_id]."""
   prompt = None
   for ep in group:
     try:
@@ -210,7 +211,10 @@ def reset_group(group, example, pad_id):
     except Exception as e:
       ep.reason, ep.error = 'env_error', f'reset: {type(e).__name__}: {e}'
       continue
-    if prompt is None:
+    if max_prompt_len is not None and len(ids) > max_prompt_len:
+      ep.reason = 'env_invalid'
+      ep.error = f'reset: a prompt of {len(ids)} tokens, over task.max_prompt_len={max_prompt_len}'
+    elif prompt is None:
       prompt = ids
     elif ids != prompt:
       ep.reason = 'env_invalid'
@@ -306,7 +310,10 @@ class EpisodeWorker:
       [Episode(self.make_env(self.tokenizer)) for _ in range(group_size)] for _ in examples
     ]
     pad = self.tokenizer.pad_id
-    prompts = [reset_group(group, ex, pad) for group, ex in zip(episodes, examples, strict=True)]
+    limit = self.config.task.max_prompt_len
+    prompts = [
+      reset_group(group, ex, pad, limit) for group, ex in zip(episodes, examples, strict=True)
+    ]
     stops = set(self.stop_tokens)
 
     def settle(ep, end, outcome):

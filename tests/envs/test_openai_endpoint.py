@@ -69,6 +69,8 @@ def test_an_openai_client_agent_gives_the_native_episode(tokenizers, endpoint, n
     turn = _turn(tok, native.conversation, text)
     a, b = native.step(turn), through.step(turn)
     assert (a.tokens, a.done, a.reward) == (b.tokens, b.done, b.reward), (name, text)
+    # The tools the agent ran count as the episode's calls (env/tool_use_rate).
+    assert b.info.get('tool_calls', 0) == a.info.get('tool_calls', 0), (name, text)
   assert b.done and b.reward == 1.0
   assert through.conversation.ids == native.conversation.ids
 

@@ -230,6 +230,28 @@ def test_an_episode_past_its_time_limit_ends_with_env_timeout(agent_run, monkeyp
     assert 'episode_timeout_s' in ep.error or float(deadline[1]) <= 0.2, ep.error
 
 
+class _Prompts:
+  """An environment whose reset gives the next of `prompts`."""
+
+  def __init__(self, prompts):
+    self.prompts = iter(prompts)
+
+  def reset(self, example):
+    return next(self.prompts)
+
+
+def test_a_reset_over_the_prompt_limit_ends_only_its_episode():
+  envs = _Prompts([[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3], [4, 4, 4]])
+  group = [episodes.Episode(envs) for _ in range(4)]
+  assert episodes.reset_group(group, {}, 0, max_prompt_len=4) == [1, 2, 3]
+  assert [ep.reason for ep in group] == [None, 'env_invalid', None, 'env_invalid']
+  assert 'over task.max_prompt_len=4' in group[1].error and 'another prompt' in group[3].error
+  # A group whose prompts are all too long: unscored episodes on the prompt [pad].
+  group = [episodes.Episode(_Prompts([[1] * 9])) for _ in range(2)]
+  assert episodes.reset_group(group, {}, 0, max_prompt_len=4) == [0]
+  assert all(ep.reason == 'env_invalid' for ep in group)
+
+
 class Flaky:
   """In turn, over every trajectory's tool calls: raises, hangs, returns
   garbage, answers (the order of the calls, not their text, so that every
