@@ -204,7 +204,8 @@ def test_http_client_times_out_on_a_slow_server():
     scored = RemoteRewardService(url, timeout_s=0.5)(*_batch(1, sleep=2.0))
     assert scored.timeouts == {'remote': 1}
   finally:
-    server.shutdown()
+    server.server_close()  # its worker threads too: they would outlive the test
+    service.close()
 
 
 def test_format_and_length_rewards():
