@@ -44,14 +44,47 @@ class Step:
   info: dict = dataclasses.field(default_factory=dict)  # counters, summed per trajectory
 
 
+@dataclasses.dataclass(frozen=True)
+class TurnSampling:
+  """How the model's next turn is sampled, as an environment asks (a
+  black-box agent's request: `jrl.envs.openai_endpoint`). None: the run's.
+
+  `max_tokens`: the turn ends after that many tokens, as if the model had
+  stopped it (the environment sees the turn so far; 0: no limit but the
+  episode's budget). `temperature`: 0 is greedy. A greedy run (the held-out
+  evaluation) stays greedy.
+  """
+
+  max_tokens: int | None = None
+  temperature: float | None = None
+
+  def check(self):
+    """Raises ValueError naming the field that is out of range."""
+    if self.max_tokens is not None and (
+      not isinstance(self.max_tokens, int)
+      or isinstance(self.max_tokens, bool)
+      or self.max_tokens < 0
+    ):
+      raise ValueError(f'`max_tokens` must be an int >= 0, got {self.max_tokens!r}')
+    t = self.temperature
+    if t is not None and (
+      not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t < float('inf')
+    ):
+      raise ValueError(f'`temperature` must be a number >= 0, got {t!r}')
+    return self
+
+
 class Environment:
   """Base class; subclasses implement `reset` and `step`.
 
   `turn_stop_tokens`: tokens that end a model turn (besides the sampler's
   stop tokens, which end the episode).
+  `sampling`: a `TurnSampling` for the model's next turn, read after
+  `reset` and after each `step` (None: the run's sampling).
   """
 
   turn_stop_tokens: tuple = ()
+  sampling = None
   # True: `step` is called as step(turn_tokens, logprobs=...) with the turn's
   # per-token logprobs as the sampler drew them (e.g. to report them to an agent).
   wants_logprobs: bool = False

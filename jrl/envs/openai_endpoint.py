@@ -38,13 +38,21 @@ request), `logprobs: true` (each token of the turn with the logprob the
 sampler drew it with, the turn's end token included: the numbers the
 trainer's importance ratios start from), `stream: true` (server-sent
 events: the answer's chunks once the turn is sampled, then `[DONE]`;
-`stream_options.include_usage` adds the usage chunk). Sampling follows the
-trainer's config, since the tokens are trained as samples of that
-distribution: a request's `temperature`, `top_p` and `max_tokens` are not
-applied (`system_fingerprint` says so), `top_logprobs` > 0 is refused (the
-sampler keeps the drawn token's logprob only), and so is `n` > 1 (an
-episode is one trajectory; a group's samples are `rl.group_size` episodes,
-each its own agent run), with HTTP 400 naming the field.
+`stream_options.include_usage` adds the usage chunk), `max_tokens` or
+`max_completion_tokens` (the turn ends after that many tokens, with
+`finish_reason` 'length'; the agent's next request goes on from the cut
+turn as from any other) and `temperature` (0: greedy; absent: the run's
+`sampling.temperature`), both for the turn this request asks for (the
+sampler's `Continuation`). A turn drawn at another temperature than the
+run's is a sample of another policy than the trainer's: its logprobs (and
+`logprobs: true`) are those it was drawn with, as for any off-policy
+token, and the held-out evaluation stays greedy whatever the agent asks.
+`top_p` is the run's (`sampling.top_p`): one decode program serves every
+slot, so a request's is not applied (`system_fingerprint` says so).
+Refused with HTTP 400 naming the field: `top_logprobs` > 0 (the sampler
+keeps the drawn token's logprob only), `n` > 1 (an episode is one
+trajectory; a group's samples are `rl.group_size` episodes, each its own
+agent run), and a `max_tokens` or `temperature` out of range.
 """
 
 import dataclasses
@@ -55,7 +63,7 @@ import secrets
 import threading
 import time
 
-from jrl.envs.base import Environment, Step
+from jrl.envs.base import Environment, Step, TurnSampling
 from jrl.envs.chat import Conversation, Tool, parse_tool_calls
 
 
@@ -151,6 +159,13 @@ def _refused(body):
       f'`n` = {n!r}: an episode is one trajectory; several samples of a prompt are '
       'rl.group_size episodes, each its own agent run'
     )
+  for field in ('max_tokens', 'max_completion_tokens'):
+    value = body.get(field)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+      return f'`{field}` must be an integer >= 1, got {value!r}'
+  t = body.get('temperature')
+  if t is not None and (not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 2):
+    return f'`temperature` must be a number in [0, 2], got {t!r}'
   top = body.get('top_logprobs') or 0
   if top:
     return f'`top_logprobs` = {top!r}: the sampler keeps the logprob of the drawn token only'
@@ -224,6 +239,12 @@ class AgentEndpoint:
     if self._server is not None:
       self._server.shutdown()
       self._server.server_close()
+
+
+def _sampling(body):
+  """The `TurnSampling` a request asks for its turn (absent fields: the run's)."""
+  limit = body.get('max_completion_tokens') or body.get('max_tokens')
+  return TurnSampling(max_tokens=limit or 0, temperature=body.get('temperature'))
 
 
 def _tool(schema):
@@ -307,6 +328,7 @@ class AgentEnv(Environment):
     self.conversation = Conversation(self.tokenizer, messages, tools=tools, **self.options)
     self.sent = [dict(m) for m in messages]
     self.pending = first
+    self.sampling = _sampling(first.body)
     return self.conversation.prompt_ids()
 
   def _next(self):
@@ -355,7 +377,7 @@ class AgentEnv(Environment):
       'object': 'chat.completion',
       'created': int(time.time()),
       'model': 'policy',
-      'system_fingerprint': 'jrl: sampling as the trainer configures it',
+      'system_fingerprint': 'jrl: top_p as the trainer configures it',
       'choices': [
         {
           'index': 0,
@@ -379,7 +401,9 @@ class AgentEnv(Environment):
       raise RuntimeError(self.failure)
     self.turn_logprobs = logprobs
     message, calls = self.conversation.add_turn(turn_tokens)
-    self._answer(message, calls, list(turn_tokens))
+    # A turn without its end token was cut by the request's `max_tokens`.
+    cut = not turn_tokens or int(turn_tokens[-1]) not in self.turn_stop_tokens
+    self._answer(message, calls, list(turn_tokens), 'length' if cut else None)
     outcome = self._next()
     if not isinstance(outcome, Pending):
       self.endpoint.close_episode(self.episode)
@@ -401,6 +425,7 @@ class AgentEnv(Environment):
     new = [self._for_template(m) for m in messages[n:]]
     self.sent += [dict(m) for m in messages[n:]]
     self.pending = outcome
+    self.sampling = _sampling(outcome.body)
     # The agent ran the tools itself: its tool messages count as the calls made.
     ran = sum(m.get('role') == 'tool' for m in messages[n:])
     info = {'agent_requests': 1, 'tool_calls': ran}

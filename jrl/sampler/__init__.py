@@ -22,6 +22,7 @@ from jrl.sampler.engine import (
 )
 from jrl.sampler.sampler import (
   Completion,
+  Continuation,
   Request,
   Sampler,
   SamplerStats,

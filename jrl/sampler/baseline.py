@@ -130,11 +130,14 @@ def dense_generate(graphdef, params, model_config, requests, group_size, t_max):
     pmask[i, p_max - len(r.prompt) :] = 1
     stop[i, : len(r.stop_tokens)] = r.stop_tokens
     keys.append(np.asarray(jax.random.fold_in(jax.random.PRNGKey(r.seed), g)))
+  temperature = np.asarray(
+    [r.per_sample('temperature', group_size)[g] for r, g in rows], np.float32
+  )
   sp = SamplingParams(
-    temperature=jnp.asarray([r.temperature for r, _ in rows], jnp.float32),
+    temperature=jnp.asarray(np.where(temperature > 0, temperature, 1.0)),  # 0: greedy
     top_k=jnp.asarray([r.top_k for r, _ in rows], jnp.int32),
     top_p=jnp.asarray([r.top_p for r, _ in rows], jnp.float32),
-    greedy=jnp.asarray([r.greedy for r, _ in rows], bool),
+    greedy=jnp.asarray([r.greedy for r, _ in rows]) | jnp.asarray(temperature == 0),
   )
   max_new = jnp.asarray([r.per_sample('max_new_tokens', group_size)[g] for r, g in rows], jnp.int32)
   fn = _jitted(graphdef, t_max)

@@ -122,15 +122,18 @@ def decode_step(graphdef, params, state, cfg, max_pages=None, truncate=None):
   )
 
 
-def resume(state, slot_mask_S, forced_SxF, forced_len_S):
+def resume(state, slot_mask_S, forced_SxF, forced_len_S, max_new_S, temperature_S, greedy_S):
   """Continues finished slots with environment tokens (multi-turn).
 
-  Each slot in `slot_mask_S` stopped on a turn-ending token that is not in
-  its cache yet; the next `forced_len_S` decode steps feed that token and
-  then the environment's tokens `forced_SxF` (writing their keys and values
-  on top of the cached prefix: nothing before them is recomputed), and the
-  step after the last one samples the model's next turn. The tokens count
-  towards the slot's `max_new`.
+  Each slot in `slot_mask_S` ended a turn (a turn-ending token, or its
+  turn's token limit) with a token that is not in its cache yet; the next
+  `forced_len_S` decode steps feed that token and then the environment's
+  tokens `forced_SxF` (writing their keys and values on top of the cached
+  prefix: nothing before them is recomputed), and the step after the last
+  one samples the model's next turn. The tokens count towards the slot's
+  `max_new`, which becomes `max_new_S` (the next turn's limit, counted
+  from the completion's start); the next turn samples with `temperature_S`
+  and `greedy_S`. Shapes: masks and counts [S], forced tokens [S, F].
   """
   m = slot_mask_S
   return state._replace(
@@ -139,6 +142,9 @@ def resume(state, slot_mask_S, forced_SxF, forced_len_S):
     forced=jnp.where(m[:, None], forced_SxF, state.forced),
     forced_len=jnp.where(m, forced_len_S, state.forced_len),
     forced_at=jnp.where(m, 0, state.forced_at),
+    max_new=jnp.where(m, max_new_S, state.max_new),
+    temperature=jnp.where(m, temperature_S, state.temperature),
+    greedy=jnp.where(m, greedy_S, state.greedy),
   )
 
 

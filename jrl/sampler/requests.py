@@ -24,8 +24,13 @@ from jrl.sampler.state import SlotRequest
 class Request:
   """One prompt and how to sample from it.
 
-  `max_new_tokens` and `min_new_tokens` take an int (every sample) or one
-  value per sample of the group (a GRPO group with its own budgets). Until a
+  `max_new_tokens`, `min_new_tokens`, `temperature` and `turn_max_tokens`
+  take one value (every sample) or one per sample of the group (a GRPO
+  group with its own budgets, or multi-turn episodes whose environments ask
+  for their own sampling). `temperature` 0 is greedy, as the OpenAI API and
+  vLLM read it. `turn_max_tokens` (multi-turn, 0: none) ends a turn after
+  that many tokens as if the model had stopped it (the environment's
+  answer may set the next turn's: `Continuation`). Until a
   sample has `min_new_tokens` tokens its stop tokens cannot be drawn (their
   logits are −inf, as Hugging Face's `min_new_tokens` does to EOS) and its
   stop sequences are not honoured. `banned_tokens` are never drawn and
@@ -38,7 +43,7 @@ class Request:
 
   prompt: Sequence[int]  # token ids
   max_new_tokens: int | Sequence[int]  # ≤ EngineConfig.max_new_tokens; or one per sample
-  temperature: float = 1.0
+  temperature: float | Sequence[float] = 1.0  # 0: greedy; or one per sample
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1: off
   greedy: bool = False
@@ -48,13 +53,16 @@ class Request:
   banned_tokens: Sequence[int] = ()  # never sampled
   logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()  # added to the logits
   stop_sequences: Sequence[Sequence[int]] = ()  # ≤ max_stop_sequences, each ≤ max_stop_len ids
+  turn_max_tokens: int | Sequence[int] = 0  # multi-turn: a turn's token limit, 0: none
 
   def per_sample(self, field, group_size):
-    """`max_new_tokens` or `min_new_tokens` as a list of `group_size` ints."""
+    """`max_new_tokens`, `min_new_tokens`, `turn_max_tokens` (ints) or
+    `temperature` (floats) as a list of `group_size` values."""
     value = getattr(self, field)
-    if isinstance(value, (int, np.integer)):
-      return [int(value)] * group_size
-    values = [int(v) for v in value]
+    cast = float if field == 'temperature' else int
+    if np.ndim(value) == 0:
+      return [cast(value)] * group_size
+    values = [cast(v) for v in value]
     if len(values) != group_size:
       raise ValueError(f'`{field}` has {len(values)} values for a group of {group_size} samples.')
     return values
@@ -64,6 +72,19 @@ class Request:
     items = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
     pairs = [(int(t), float(b)) for t, b in items]
     return pairs + [(int(t), float(_NEG)) for t in self.banned_tokens]
+
+
+class Continuation(NamedTuple):
+  """A multi-turn answer (`Sampler.generate`'s `on_turn_end`) that continues
+  the sample with the environment's `tokens` and sets its next turn's
+  sampling: `max_tokens` (the turn's token limit; None: the request's
+  `turn_max_tokens`, 0: none) and `temperature` (0: greedy; None: the
+  sample's so far; a greedy request stays greedy). A plain list of tokens
+  is a Continuation with neither."""
+
+  tokens: Sequence[int]
+  max_tokens: int | None = None
+  temperature: float | None = None
 
 
 class Completion(NamedTuple):
@@ -118,6 +139,9 @@ def check_requests(requests, group_size, cfg, vocab_size, slots_per_replica, rep
     for lo, hi in zip(min_new, max_new, strict=True):
       if not 0 <= lo <= hi:
         raise ValueError(f'request {i}: `min_new_tokens`={lo} must be in [0, max_new_tokens].')
+    for cap in r.per_sample('turn_max_tokens', group_size):
+      if cap < 0:
+        raise ValueError(f'request {i}: `turn_max_tokens`={cap} must be >= 0 (0: no limit).')
     if len(r.stop_tokens) > cfg.max_stop_tokens:
       raise ValueError(
         f'request {i}: {len(r.stop_tokens)} stop tokens, more than '
@@ -146,8 +170,9 @@ def check_requests(requests, group_size, cfg, vocab_size, slots_per_replica, rep
         )
     if not 0 <= int(r.seed) < 2**32:
       raise ValueError(f'request {i}: `seed` must be in [0, 2**32), got {r.seed}.')
-    if not r.greedy and not r.temperature > 0:
-      raise ValueError(f'request {i}: `temperature` must be > 0, got {r.temperature}.')
+    for t in r.per_sample('temperature', group_size):
+      if not (np.isfinite(t) and t >= 0):
+        raise ValueError(f'request {i}: `temperature` must be >= 0 (0: greedy), got {t}.')
     if not 0 < r.top_p <= 1 or r.top_k < 0:
       raise ValueError(f'request {i}: need 0 < top_p <= 1 and top_k >= 0.')
     need = group_pages(n, max_new, cfg.page_size)
@@ -175,17 +200,21 @@ def slot_request(request, samples, cfg):
   seqs = np.full((g, cfg.max_stop_sequences, cfg.max_stop_len), -1, np.int32)
   for q, seq in enumerate(request.stop_sequences):
     seqs[:, q, cfg.max_stop_len - len(seq) :] = seq
-  # An int for every sample, or one value per sample g of the group.
-  pick = lambda v: np.asarray([v] * g if np.ndim(v) == 0 else [v[k] for k in samples], np.int32)
+  # One value for every sample, or one per sample g of the group.
+  pick = lambda v, dtype=np.int32: np.asarray(
+    [v] * g if np.ndim(v) == 0 else [v[k] for k in samples], dtype
+  )
   max_new, min_new = pick(request.max_new_tokens), pick(request.min_new_tokens)
+  cap = pick(request.turn_max_tokens)
+  temperature = pick(request.temperature, np.float32)
   return SlotRequest(
     rng=rng.astype(np.uint32),
-    temperature=np.full(g, request.temperature, np.float32),
+    temperature=np.where(temperature > 0, temperature, 1.0).astype(np.float32),
     top_k=np.full(g, request.top_k, np.int32),
     top_p=np.full(g, request.top_p, np.float32),
-    greedy=np.full(g, request.greedy, bool),
+    greedy=request.greedy | (temperature == 0),
     stop_tokens=stop,
-    max_new=max_new,
+    max_new=np.where(cap > 0, np.minimum(max_new, cap), max_new).astype(np.int32),
     min_new=min_new,
     bias_ids=bias_ids,
     bias_values=bias_values,

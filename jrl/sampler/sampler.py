@@ -38,7 +38,13 @@ from jrl.sampler import engine
 from jrl.sampler.engine import EngineConfig
 from jrl.sampler.prefill import default_buckets
 from jrl.sampler.refresh import refresh_kv
-from jrl.sampler.requests import Completion, Request, check_requests, slot_request
+from jrl.sampler.requests import (
+  Completion,
+  Continuation,
+  Request,
+  check_requests,
+  slot_request,
+)
 from jrl.sampler.scheduler import SamplerStats, Scheduler, narrower_width, pack_admissions
 from jrl.sampler.state import state_shardings
 
@@ -318,12 +324,15 @@ class Sampler:
       state: a DecodeState to start from (default: a fresh one), with the
         leading [R] replica axis of `init_state`.
       on_turn_end: multi-turn. Called as `on_turn_end(i, g, tokens,
-        logprobs)` when sample g of request i stops on one of its stop
-        tokens (`tokens`: everything after the prompt so far, the stop token
-        last; `logprobs`: theirs, as `Completion.logprobs`). It
-        returns environment tokens to append (the sample then continues on
-        its cached pages: the tokens are fed through the decode loop, the
-        prefix is not recomputed), or a finish reason (str) to end the
+        logprobs)` when sample g of request i ends a turn: it stops on one
+        of its stop tokens, or reaches its turn's token limit
+        (`Request.turn_max_tokens`, `Continuation.max_tokens`) before its
+        `max_new_tokens` (`tokens`: everything after the prompt so far;
+        `logprobs`: theirs, as `Completion.logprobs`). It returns
+        environment tokens to append, a list or a `Continuation` that also
+        sets the next turn's limit and temperature (the sample then
+        continues on its cached pages: the tokens are fed through the
+        decode loop, the prefix is not recomputed), or a finish reason (str) to end the
         sample, or a `concurrent.futures.Future` of either: the sample is
         then parked with its pages and the other slots keep decoding until
         the Future is done (a sample's tokens depend on its seed and
@@ -518,6 +527,7 @@ def _host(arrays):
 
 __all__ = [
   'Completion',
+  'Continuation',
   'EngineConfig',
   'Request',
   'Sampler',

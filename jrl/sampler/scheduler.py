@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jrl.sampler.pages import group_pages
-from jrl.sampler.requests import Completion
+from jrl.sampler.requests import Completion, Continuation
 from jrl.sampler.state import FINISH_REASONS
 
 
@@ -140,6 +140,11 @@ class Scheduler:
     self.num_r = replicas
     self.sr = sr = slots_per_replica  # slots per replica
     self.max_new = [r.per_sample('max_new_tokens', group_size) for r in requests]
+    self.turn_caps = [r.per_sample('turn_max_tokens', group_size) for r in requests]
+    # Each sample's temperature (0: greedy) until its environment sets another.
+    self.temperatures = [
+      [0.0 if r.greedy else t for t in r.per_sample('temperature', group_size)] for r in requests
+    ]
     per_group = group_size if share_prompt else 1
     self.max_batch = min(batch, sr // per_group)  # groups per prefill call
     self.pending = collections.deque()
@@ -156,6 +161,9 @@ class Scheduler:
     self.next_group = 0
     self.held_pages = np.zeros(replicas * sr, np.int32)  # host copy of state.num_pages
     self.env_spans = collections.defaultdict(list)  # slot -> [(start, end)] of env tokens
+    # Slots continuing after a turn: (their token limit, counted from the
+    # completion's start, and temperature) for `resume_args`.
+    self.next_turn = {}  # global slot -> (max_new, temperature)
     self.generated = np.zeros(replicas * sr, np.int64)  # host copy of state.num_generated
     # Parked slots: a turn ended and the environment's answer is a Future
     # still running. The slot keeps its pages and is not decoded until then.
@@ -306,10 +314,12 @@ class Scheduler:
     arrays for slot finished[k]) or, in a multi-turn run, queues the
     environment's tokens for them.
 
-    A turn's end asks `on_turn_end` for the environment's answer, or takes
-    it from `answers` ({slot: answer} of unparked slots). An answer that is
-    a Future still running parks the slot (`parked`): it keeps its pages
-    and is neither continued nor freed until the answer arrives.
+    A turn's end (a stop token, or the turn's token limit reached before the
+    sample's) asks `on_turn_end` for the environment's answer, or takes it
+    from `answers` ({slot: answer} of unparked slots). An answer that is a
+    Future still running parks the slot (`parked`): it keeps its pages and
+    is neither continued nor freed until the answer arrives. Tokens (a list
+    or a `Continuation`) continue the sample; a str ends it.
 
     Returns ({slot: environment tokens} to resume, the slots to free, the
     tokens of the completions recorded).
@@ -322,7 +332,9 @@ class Scheduler:
       i, g, group, private = self.slot_owner[slot]
       n_out = int(num_gen[row])
       reason = FINISH_REASONS[int(reasons[row])]
-      if on_turn_end is not None and reason == 'stop':
+      budget = self.max_new[i][g]
+      turn_end = reason == 'stop' or (reason == 'length' and n_out < budget)
+      if on_turn_end is not None and turn_end:
         if slot in answers:
           answer = answers[slot]
         else:
@@ -334,13 +346,19 @@ class Scheduler:
               continue
             answer = answer.result()
         if not isinstance(answer, str):
-          env = list(answer)
-          room = self.max_new[i][g] - n_out - 1  # one model token after them
+          turn = answer if isinstance(answer, Continuation) else Continuation(answer)
+          env = [int(t) for t in turn.tokens]
+          room = budget - n_out - 1  # one model token after them
           if len(env) > cfg.max_forced_tokens or len(env) > room:
             reason = 'length'
           else:
             continuing[slot] = env
             self.env_spans[slot].append((n_out, n_out + len(env)))
+            cap = self.turn_caps[i][g] if turn.max_tokens is None else int(turn.max_tokens)
+            if turn.temperature is not None and not self.requests[i].greedy:
+              self.temperatures[i][g] = float(turn.temperature)
+            limit = min(budget, n_out + len(env) + cap) if cap > 0 else budget
+            self.next_turn[slot] = (limit, self.temperatures[i][g])
             continue
         else:
           reason = answer
@@ -369,22 +387,25 @@ class Scheduler:
     return continuing, done, tokens
 
   def resume_args(self, continuing):
-    """`engine.resume`'s slot mask [R, sr], forced tokens [R, sr, F] and
-    their counts [R, sr] for {slot: environment tokens}."""
+    """`engine.resume`'s slot mask [R, sr], forced tokens [R, sr, F], their
+    counts [R, sr], and the next turn's token limit, temperature and greedy
+    flag [R, sr] for {slot: environment tokens} (`retire`'s)."""
     num_r, sr = self.num_r, self.sr
     f = max(1, self.cfg.max_forced_tokens)
     forced = np.zeros((num_r * sr, f), np.int32)
     forced_len = np.zeros(num_r * sr, np.int32)
     resume_mask = np.zeros(num_r * sr, bool)
+    max_new = np.zeros(num_r * sr, np.int32)
+    temperature = np.ones(num_r * sr, np.float32)
+    greedy = np.zeros(num_r * sr, bool)
     for slot, env in continuing.items():
       forced[slot, : len(env)] = env
       forced_len[slot] = len(env)
       resume_mask[slot] = True
-    return (
-      resume_mask.reshape(num_r, sr),
-      forced.reshape(num_r, sr, f),
-      forced_len.reshape(num_r, sr),
-    )
+      max_new[slot], t = self.next_turn.pop(slot)
+      temperature[slot], greedy[slot] = (t, False) if t > 0 else (1.0, True)
+    shaped = lambda a: a.reshape(num_r, sr, *a.shape[1:])
+    return tuple(map(shaped, (resume_mask, forced, forced_len, max_new, temperature, greedy)))
 
   def release(self, finished):
     """The [R, sr] mask of `engine.free` for the `finished` slots, which

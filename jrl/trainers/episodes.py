@@ -51,7 +51,7 @@ import numpy as np
 
 from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
-from jrl.envs.base import FINISH_REASONS, EnvPool
+from jrl.envs.base import FINISH_REASONS, EnvPool, TurnSampling
 from jrl.trainers import checks, common, engines, rollout
 from jrl.trainers.evaluation.held_out import decode
 from jrl.trainers.setup import seed
@@ -195,6 +195,29 @@ def episode_metrics(episodes, rewards):
   return metrics
 
 
+ENV_FAILURES = ('env_error', 'env_timeout', 'env_invalid')
+
+
+def turn_sampling(ep):
+  """The `TurnSampling` episode `ep`'s environment asks for its next turn,
+  checked, or None; an invalid one ends the episode ('env_invalid')."""
+  asked = getattr(ep.env, 'sampling', None)
+  if asked is None or ep.reason:
+    return None
+  try:
+    if not isinstance(asked, TurnSampling):
+      raise ValueError(f'`sampling` must be a TurnSampling, got {type(asked).__name__}')
+    return asked.check()
+  except ValueError as e:
+    ep.reason, ep.error = 'env_invalid', f'sampling: {e}'
+    return None
+
+
+def per_sample(values):
+  """One value when a group's samples agree, else the list (`sampler.Request`)."""
+  return values[0] if len(set(values)) == 1 else list(values)
+
+
 def reset_group(group, example, pad_id, max_prompt_len=None):
   """The prompt of a group's episodes (`Episode`s), each reset on `example`:
   the first reset's token ids. An environment that fails at its reset ends
@@ -315,6 +338,9 @@ class EpisodeWorker:
       reset_group(group, ex, pad, limit) for group, ex in zip(episodes, examples, strict=True)
     ]
     stops = set(self.stop_tokens)
+    temperature = self.config.sampling.temperature
+    # What each environment asks for its first turn (a black-box agent's request).
+    first = [[turn_sampling(ep) for ep in group] for group in episodes]
 
     def settle(ep, end, outcome):
       """The sampler's answer for episode `ep`'s step outcome; `end`: the
@@ -329,7 +355,13 @@ class EpisodeWorker:
         ep.reason = 'done'
         return 'done'
       ep.turn_start = end + len(step.tokens)
-      return list(step.tokens)
+      asked = turn_sampling(ep)
+      if ep.reason:
+        return ep.reason
+      if asked is None:
+        return list(step.tokens)
+      t = temperature if asked.temperature is None else asked.temperature  # None: the run's
+      return sampler.Continuation(list(step.tokens), asked.max_tokens or 0, t)
 
     def on_turn_end(i, g, tokens, logprobs=None):
       ep = episodes[i][g]
@@ -361,14 +393,17 @@ class EpisodeWorker:
       sampler.Request(
         prompt=p,
         max_new_tokens=self.config.task.max_response_len,
-        temperature=self.config.sampling.temperature,
+        temperature=per_sample(
+          [temperature if s is None or s.temperature is None else s.temperature for s in asks]
+        ),
         top_k=self.config.sampling.top_k,
         top_p=self.config.sampling.top_p,
         greedy=greedy,
         stop_tokens=tuple(self.stop_tokens) + self.turn_stops,
         seed=seed(self.config.seed, iteration, draw, i),
+        turn_max_tokens=per_sample([s.max_tokens or 0 if s else 0 for s in asks]),
       )
-      for i, p in enumerate(prompts)
+      for i, (p, asks) in enumerate(zip(prompts, first, strict=True))
     ]
     with self.lock:
       weights = self.engine.load_weights(params, version)
@@ -388,8 +423,10 @@ class EpisodeWorker:
           ep.reward += ep.env.final_reward(text)
         finish = getattr(ep.env, 'finish', None)
         if callable(finish):  # the episode is over: an environment may release what waits
+          # The turn in progress; none when the environment's own step ended it.
+          turn = [] if ep.reason in ENV_FAILURES else c.tokens[ep.turn_start :]
           try:
-            finish(ep.reason, [int(t) for t in c.tokens[ep.turn_start :]])
+            finish(ep.reason, [int(t) for t in turn])
           except Exception as e:  # its own episode's business, never the run's
             ep.error = ep.error or f'finish: {type(e).__name__}: {e}'
         row.append((c, ep))

@@ -194,6 +194,10 @@ def test_unsupported_requests_and_unknown_keys_are_refused(endpoint):
     client.chat.completions.create(model='policy', messages=messages, n=2)
   with pytest.raises(openai.BadRequestError, match='`top_logprobs` = 3'):
     client.chat.completions.create(model='policy', messages=messages, logprobs=True, top_logprobs=3)
+  with pytest.raises(openai.BadRequestError, match='`max_tokens` must be an integer >= 1'):
+    client.chat.completions.create(model='policy', messages=messages, max_tokens=0)
+  with pytest.raises(openai.BadRequestError, match=r'`temperature` must be a number in \[0, 2\]'):
+    client.chat.completions.create(model='policy', messages=messages, temperature=2.5)
   endpoint.close_episode(episode)
 
 

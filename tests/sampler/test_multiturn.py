@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jrl.models as M
-from jrl.sampler import EngineConfig, Request, Sampler
+from jrl.sampler import Continuation, EngineConfig, Request, Sampler
 from tests.sampler import margins
 
 CFG = M.ModelConfig(
@@ -130,6 +130,60 @@ def test_environment_answer_too_long_ends_the_sample_with_length():
     on_turn_end=lambda i, g, tokens, logprobs: [50] * (FORCED + 1),
   )[0]
   assert c.finish_reason == 'length' and not c.env_mask.any()
+
+
+def test_a_turn_limit_ends_the_turn_and_the_answer_sets_the_next():
+  """`turn_max_tokens` cuts every turn (no stop token here), a plain answer
+  keeps it, a `Continuation` sets the next turn's (0: none, up to the
+  sample's budget, which ends the sample with 'length', not a turn)."""
+  ends = []
+
+  def on_turn_end(i, g, tokens, logprobs):
+    ends.append(len(tokens))
+    return [
+      Continuation(ENV, max_tokens=5),  # next turn: 5 tokens
+      ENV[:2],  # the request's limit again: 3
+      Continuation([50], max_tokens=0),  # no limit: the budget ends the sample
+    ][len(ends) - 1]
+
+  request = Request(prompt=PROMPTS[0], max_new_tokens=MAX_NEW, seed=1, turn_max_tokens=3)
+  (c,) = SAMPLER.generate(PARAMS, [request], on_turn_end=on_turn_end)[0]
+  assert ends == [3, 3 + 4 + 5, 12 + 2 + 3]
+  assert c.finish_reason == 'length' and len(c.tokens) == MAX_NEW
+  assert np.flatnonzero(c.env_mask).tolist() == [3, 4, 5, 6, 12, 13, 17]
+  # Without environments the limit is the first turn's: it ends the sample.
+  (c,) = SAMPLER.generate(PARAMS, [request])[0]
+  assert c.finish_reason == 'length' and len(c.tokens) == 3
+
+
+def test_temperature_zero_is_greedy_and_an_answer_sets_the_next_turns():
+  """Sample 1 stays greedy (temperature 0, then an answer asking 0) and so
+  equals a greedy run's sample; sample 0's answer asks temperature 5, so
+  its next turn is drawn, not greedy. Both runs have the same batches, so
+  the same programs: equal greedy tokens are exact here."""
+  prompt = PROMPTS[1]
+
+  def run(request, temperatures):
+    def on_turn_end(i, g, tokens, logprobs):
+      if len(tokens) > 4:
+        return 'done'
+      return Continuation(ENV, max_tokens=6, temperature=temperatures[g])
+
+    return SAMPLER.generate(PARAMS, [request], group_size=2, on_turn_end=on_turn_end)[0]
+
+  greedy_run = run(
+    Request(prompt=prompt, max_new_tokens=MAX_NEW, greedy=True, turn_max_tokens=4), [1.0, 1.0]
+  )
+  mixed = run(
+    Request(prompt=prompt, max_new_tokens=MAX_NEW, temperature=0.0, turn_max_tokens=4, seed=3),
+    [5.0, 0.0],
+  )
+  for c in (*greedy_run, *mixed):
+    assert c.finish_reason == 'done' and len(c.tokens) == 4 + len(ENV) + 6
+  np.testing.assert_array_equal(greedy_run[0].tokens, greedy_run[1].tokens)
+  np.testing.assert_array_equal(mixed[1].tokens, greedy_run[1].tokens)
+  np.testing.assert_array_equal(mixed[0].tokens[:8], greedy_run[0].tokens[:8])  # greedy, then ENV
+  assert mixed[0].tokens[8:].tolist() != greedy_run[0].tokens[8:].tolist()
 
 
 def test_single_turn_sampling_is_unchanged_by_the_multiturn_state():

@@ -17,7 +17,7 @@ import pytest
 from configs import agent_arith
 from configs import common as config_common
 from jrl import trainers
-from jrl.envs import EnvPool, Step
+from jrl.envs import EnvPool, Step, TurnSampling
 from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
 from jrl.trainers import controller, episodes, ppo
@@ -250,6 +250,25 @@ def test_a_reset_over_the_prompt_limit_ends_only_its_episode():
   group = [episodes.Episode(_Prompts([[1] * 9])) for _ in range(2)]
   assert episodes.reset_group(group, {}, 0, max_prompt_len=4) == [0]
   assert all(ep.reason == 'env_invalid' for ep in group)
+
+
+def test_an_environments_turn_sampling_is_checked_and_a_bad_one_ends_its_episode():
+  class Asks:
+    def __init__(self, sampling):
+      self.sampling = sampling
+
+  good = episodes.Episode(Asks(TurnSampling(max_tokens=5, temperature=0)))
+  assert episodes.turn_sampling(good) == TurnSampling(5, 0) and good.reason is None
+  assert episodes.turn_sampling(episodes.Episode(Asks(None))) is None
+  for bad, field in [
+    (TurnSampling(max_tokens=-1), 'max_tokens'),
+    (TurnSampling(max_tokens=2.5), 'max_tokens'),
+    (TurnSampling(temperature=float('inf')), 'temperature'),
+    ({'max_tokens': 5}, 'TurnSampling'),
+  ]:
+    ep = episodes.Episode(Asks(bad))
+    assert episodes.turn_sampling(ep) is None
+    assert ep.reason == 'env_invalid' and field in ep.error, ep.error
 
 
 class Flaky:

@@ -38,6 +38,7 @@ def job(tmp_path_factory):
       'agent.sft_tool_frac': 1.0,
       'task.max_prompt_len': 640,  # characters: the system prompt declares the tool
       'task.max_response_len': 120,
+      'agent.max_env_tokens': 48,  # an agent's user message: its template's tokens too
       'task.eval_size': 4,
       'sft.steps': 0,  # demonstration_batch is tested directly
       'sft.batch_size': 8,
@@ -153,3 +154,61 @@ def test_openai_client_agents_run_through_the_sampler(job, monkeypatch):
   # The prompts the agents opened are the native environment's, token for token.
   for request, example in zip(requests, examples, strict=True):
     assert list(request.prompt) == native.reset(example)
+
+
+def test_an_agents_max_tokens_and_temperature_apply_to_its_turns(job, monkeypatch):
+  """Each request's `max_tokens` cuts the turn it asks for (finish_reason
+  'length', the agent goes on from the cut turn), and `temperature` 0 in a
+  sampling run gives the greedy run's episodes token for token (the same
+  requests, so the same batches and programs: exact equality holds)."""
+  openai = pytest.importorskip('openai', reason='the [openai] extra')
+  from jrl.envs import EnvPool
+  from jrl.envs.openai_endpoint import AgentEndpoint, AgentEnv
+
+  _, job_, state = job
+  worker = job_.topology.worker
+  told = []
+
+  def agent(base_url, api_key, example, temperature):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{'role': 'user', 'content': example['prompt']}]
+    for limit in (3, 5):
+      answer = client.chat.completions.create(
+        model='policy', messages=messages, max_tokens=limit, temperature=temperature
+      )
+      choice = answer.choices[0]
+      told.append((limit, choice.finish_reason, answer.usage.completion_tokens))
+      messages.append({'role': 'assistant', 'content': choice.message.content})
+      messages.append({'role': 'user', 'content': 'go on'})
+    return 1.0
+
+  def run(greedy, temperature):
+    endpoint = AgentEndpoint().start()
+    pool = EnvPool(4)  # the run's closed with its job
+    try:
+      make = lambda tok: AgentEnv(
+        tok, endpoint, lambda url, key, ex: agent(url, key, ex, temperature)
+      )
+      monkeypatch.setattr(worker, 'make_env', make)
+      monkeypatch.setattr(worker, 'pool', pool)
+      _, results = worker.run_episodes(
+        state.params, worker.held_out[:2], group_size=2, greedy=greedy, iteration=1, version=1
+      )
+    finally:
+      endpoint.close()
+      pool.close()
+    return results
+
+  greedy_run = run(True, None)
+  sampled = run(False, 0.0)
+  assert told and all(n <= limit for limit, _, n in told), told
+  assert all(n == limit for limit, reason, n in told if reason == 'length'), told
+  assert sum(reason == 'length' for _, reason, _ in told) >= len(told) // 2
+  for want_row, got_row in zip(greedy_run, sampled, strict=True):
+    for (want, want_ep), (got, got_ep) in zip(want_row, got_row, strict=True):
+      assert got_ep.reason == want_ep.reason == 'done', (got_ep.error, want_ep.error)
+      np.testing.assert_array_equal(got.tokens, want.tokens)
+      # The model's turns: at most 3, then at most 5 tokens.
+      runs = np.split(got.env_mask, np.flatnonzero(np.diff(got.env_mask)) + 1)
+      model_turns = [len(r) for r in runs if not r[0]]
+      assert len(model_turns) == 2 and model_turns[0] <= 3 and model_turns[1] <= 5

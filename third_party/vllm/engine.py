@@ -73,6 +73,14 @@ def sample_seed(seed, index):
   return (int(seed) * 1_000_003 + int(index)) % (2**31 - 1)
 
 
+def _first_turn_tokens(request, index, group_size):
+  """Sample `index`'s token budget: `max_new_tokens`, or `turn_max_tokens`
+  when lower (one turn: the adapter runs no environments)."""
+  budget = request.per_sample('max_new_tokens', group_size)[index]
+  cap = request.per_sample('turn_max_tokens', group_size)[index]
+  return min(budget, cap) if cap > 0 else budget
+
+
 def sampling_params(vllm, request, index, group_size):
   """The `vllm.SamplingParams` of sample `index` of `request` (a jrl
   `sampler.Request`); ValueError naming a field vLLM cannot honour here."""
@@ -84,14 +92,15 @@ def sampling_params(vllm, request, index, group_size):
   bias = dict(request.logit_bias)
   for token in request.banned_tokens:
     bias[int(token)] = -float('inf')
-  greedy = request.greedy
+  temperature = request.per_sample('temperature', group_size)[index]
+  greedy = request.greedy or temperature == 0
   return vllm.SamplingParams(
     n=1,
-    temperature=0.0 if greedy else float(request.temperature),
+    temperature=0.0 if greedy else temperature,
     top_k=0 if greedy else int(request.top_k),
     top_p=1.0 if greedy else float(request.top_p),
     seed=sample_seed(request.seed, index),
-    max_tokens=int(request.per_sample('max_new_tokens', group_size)[index]),
+    max_tokens=_first_turn_tokens(request, index, group_size),
     min_tokens=int(request.per_sample('min_new_tokens', group_size)[index]),
     stop_token_ids=[int(t) for t in request.stop_tokens],
     ignore_eos=True,  # jrl's stop tokens only, as its own sampler
