@@ -503,10 +503,10 @@ def topology_section():
   return s
 
 
-# What each algorithm's config holds besides `SHARED`; a run's iterations are
-# `sft.steps` (a warm-up, or the whole of `sft`) plus its own section's `steps`
-# (`rl`, `dpo` or `rm`; `jrl.trainers.checks.iterations`).
-SHARED = ('mesh', 'model', 'task', 'train', 'optim', 'eval', 'checkpoint', 'log')
+# Every config holds the shared sections (`jrl.trainers.checks.SHARED`: mesh,
+# model, task, train, optim, eval, checkpoint, log) and its algorithm's; a run's
+# iterations are `sft.steps` (a warm-up, or the whole of `sft`) plus its own
+# section's `steps` (`rl`, `dpo` or `rm`; `jrl.trainers.checks.iterations`).
 
 
 def algorithms():
@@ -516,22 +516,35 @@ def algorithms():
   return trainers.ALGORITHMS
 
 
+def shared():
+  """The sections every config holds (`jrl.trainers.checks.SHARED`)."""
+  from jrl.trainers import checks
+
+  return checks.SHARED
+
+
 def sections(algorithm):
-  """The sections a config of `algorithm` holds besides `SHARED`, in order:
-  those its `jrl.trainers` record reads."""
+  """The sections a config of `algorithm` holds besides the shared ones, in
+  order: those its `jrl.trainers` record reads."""
   if algorithm not in algorithms():
     raise ValueError(f'unknown algorithm {algorithm!r}: one of {tuple(algorithms())}.')
   return tuple(section.name for section in algorithms()[algorithm].sections)
 
 
-def section(name):
-  """A new section `name` with its defaults."""
+def section(name, algorithm=None):
+  """A new section `name` with its defaults: those its `checks.Section`
+  gives (an algorithm's own sections, `algorithm`'s record), else this
+  module's `<name>_section()`."""
+  if algorithm is not None:
+    for s in algorithms()[algorithm].sections:
+      if s.name == name and s.defaults is not None:
+        return s.defaults()
   return globals()[f'{name}_section']()
 
 
 def base(algorithm='grpo'):
-  """An unlocked config of `algorithm`: the run's fields, `SHARED`, and the
-  algorithm's sections, all at their defaults."""
+  """An unlocked config of `algorithm`: the run's fields, the shared
+  sections, and the algorithm's sections, all at their defaults."""
   own = sections(algorithm)
   c = ml_collections.ConfigDict()
   # 'grpo' (GRPO family, see rl.*) | 'ppo' | 'dpo' | 'sft' | 'reward_model' | 'agent'
@@ -542,8 +555,8 @@ def base(algorithm='grpo'):
   # write workdir/hf_export (safetensors) at the end; with LoRA also hf_export/adapter (PEFT)
   c.export_hf = False
   c.max_nonfinite_steps = 5  # stop after this many iterations in a row with skipped updates
-  for name in SHARED + own:
-    c[name] = section(name)
+  for name in shared() + own:
+    c[name] = section(name, algorithm)
   return c
 
 

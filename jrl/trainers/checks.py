@@ -147,14 +147,18 @@ class Section(NamedTuple):
   name: str  # the section's key in the config ('rl', 'sampler', ...)
   fields: dict  # dotted field -> Range, its numeric fields
   check: Callable | None = None  # (config, batch_shards) -> None; raises ValueError
+  # () -> an ml_collections.ConfigDict of the section's fields at their defaults;
+  # None: `configs.common.<name>_section` (the sections jrl's own algorithms share).
+  defaults: Callable | None = None
 
 
 class Algorithm(NamedTuple):
   """One algorithm as the rest of jrl reads it: the registry
   (`trainers.build` / `run`), the checks, `configs.common` (a config holds
   the shared sections and these) and the topologies. A new algorithm is a
-  module that registers one (`register`), imported by trainers/__init__.py,
-  and its config (docs/new_algorithm.md)."""
+  module that registers one (`register`) with its sections (their checks
+  and defaults), and a config of it (docs/new_algorithm.md);
+  trainers/__init__.py imports jrl's own."""
 
   name: str  # config.algorithm
   build: Callable  # config -> controller.Job, set up (every config error raised), not run
@@ -162,6 +166,9 @@ class Algorithm(NamedTuple):
   steps_section: str | None = None  # whose `steps` counts its iterations after `sft.steps`
   online: bool = False  # trains on its own rollouts: every `topology.kind` applies
   reads: Callable | None = None  # config -> the Sections a run of `config` reads (`sections`)
+  # `jrl eval` (trainers.evaluation.standalone) scores its checkpoints on single-turn
+  # tasks: the policy's greedy answers, as the held-out evaluation of a run does.
+  standalone_eval: bool = False
 
   def sections_read(self, config):
     return self.reads(config) if self.reads else self.sections

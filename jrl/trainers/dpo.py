@@ -261,4 +261,6 @@ def build(config):
   )
 
 
-ALGORITHM = checks.register(checks.Algorithm('dpo', build, SECTIONS, steps_section='dpo'))
+ALGORITHM = checks.register(
+  checks.Algorithm('dpo', build, SECTIONS, steps_section='dpo', standalone_eval=True)
+)

@@ -176,5 +176,5 @@ def build(
 
 
 ALGORITHM = checks.register(
-  checks.Algorithm('grpo', build, SECTIONS, steps_section='rl', online=True)
+  checks.Algorithm('grpo', build, SECTIONS, steps_section='rl', online=True, standalone_eval=True)
 )

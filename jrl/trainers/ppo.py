@@ -379,5 +379,5 @@ def build(
 
 
 ALGORITHM = checks.register(
-  checks.Algorithm('ppo', build, SECTIONS, steps_section='rl', online=True)
+  checks.Algorithm('ppo', build, SECTIONS, steps_section='rl', online=True, standalone_eval=True)
 )

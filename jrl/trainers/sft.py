@@ -154,4 +154,4 @@ def build(config):
   return controller.Job(resources, state, phase.iterate, evaluate, close=close, steps=phase)
 
 
-ALGORITHM = checks.register(checks.Algorithm('sft', build, SECTIONS))
+ALGORITHM = checks.register(checks.Algorithm('sft', build, SECTIONS, standalone_eval=True))

@@ -40,19 +40,23 @@ import jax.numpy as jnp
 
 from jrl import checkpoint, distributed, parallel, trace
 from jrl.data import ANSWER_EXTRACTORS, read_prompts, tasks
-from jrl.trainers import engines, setup
+from jrl.trainers import checks, engines, setup
 from jrl.trainers.evaluation.held_out import EXAMPLES_FILE, HeldOut
 
-# Algorithms whose policy is evaluated on held-out prompts by `HeldOut`; the
-# reward model (pairwise accuracy) and the agent (tool-use episodes, task
-# 'arith_tool') are evaluated by their own trainers.
-ALGORITHMS = ('grpo', 'ppo', 'dpo', 'sft')
+# The reward model (pairwise accuracy) and the agent (tool-use episodes, task
+# 'arith_tool') are evaluated by their own trainers; an algorithm says whether
+# its policy is evaluated here (`checks.Algorithm.standalone_eval`).
 EPISODE_TASKS = ('arith_tool',)
+
+
+def evaluated_here():
+  """The registered algorithms whose policy `evaluate` scores on held-out prompts."""
+  return tuple(name for name, record in checks.REGISTRY.items() if record.standalone_eval)
 
 
 def supports(config):
   """Whether `evaluate` can evaluate `config`'s policy (else only its trainer can)."""
-  return config.algorithm in ALGORITHMS and config.task.kind not in EPISODE_TASKS
+  return config.algorithm in evaluated_here() and config.task.kind not in EPISODE_TASKS
 
 
 def configured(config, model_path=None, samples=None, temperature=None):
@@ -182,7 +186,7 @@ def evaluate(config, *, model_path=None, step=None, samples=None, temperature=No
   if not supports(config):
     raise ValueError(
       f'evaluate: `algorithm` {config.algorithm!r} with `task.kind` {config.task.kind!r} is '
-      f'evaluated by its trainer; this evaluates {ALGORITHMS} on single-turn tasks.'
+      f'evaluated by its trainer; this evaluates {evaluated_here()} on single-turn tasks.'
     )
   if model_path is not None:
     check_model_dir(model_path)
