@@ -213,6 +213,14 @@ def turn_sampling(ep):
     return None
 
 
+def asked_values(asked, temperature):
+  """(turn token limit, temperature) of a `TurnSampling` (or None), its
+  None fields read as the run's: no limit, the config's `temperature`."""
+  if asked is None:
+    return 0, temperature
+  return asked.max_tokens or 0, temperature if asked.temperature is None else asked.temperature
+
+
 def per_sample(values):
   """One value when a group's samples agree, else the list (`sampler.Request`)."""
   return values[0] if len(set(values)) == 1 else list(values)
@@ -340,7 +348,7 @@ class EpisodeWorker:
     stops = set(self.stop_tokens)
     temperature = self.config.sampling.temperature
     # What each environment asks for its first turn (a black-box agent's request).
-    first = [[turn_sampling(ep) for ep in group] for group in episodes]
+    first = [[asked_values(turn_sampling(ep), temperature) for ep in group] for group in episodes]
 
     def settle(ep, end, outcome):
       """The sampler's answer for episode `ep`'s step outcome; `end`: the
@@ -360,8 +368,7 @@ class EpisodeWorker:
         return ep.reason
       if asked is None:
         return list(step.tokens)
-      t = temperature if asked.temperature is None else asked.temperature  # None: the run's
-      return sampler.Continuation(list(step.tokens), asked.max_tokens or 0, t)
+      return sampler.Continuation(list(step.tokens), *asked_values(asked, temperature))
 
     def on_turn_end(i, g, tokens, logprobs=None):
       ep = episodes[i][g]
@@ -393,15 +400,13 @@ class EpisodeWorker:
       sampler.Request(
         prompt=p,
         max_new_tokens=self.config.task.max_response_len,
-        temperature=per_sample(
-          [temperature if s is None or s.temperature is None else s.temperature for s in asks]
-        ),
+        temperature=per_sample([t for _, t in asks]),
         top_k=self.config.sampling.top_k,
         top_p=self.config.sampling.top_p,
         greedy=greedy,
         stop_tokens=tuple(self.stop_tokens) + self.turn_stops,
         seed=seed(self.config.seed, iteration, draw, i),
-        turn_max_tokens=per_sample([s.max_tokens or 0 if s else 0 for s in asks]),
+        turn_max_tokens=per_sample([cap for cap, _ in asks]),
       )
       for i, (p, asks) in enumerate(zip(prompts, first, strict=True))
     ]
