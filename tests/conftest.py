@@ -5,7 +5,10 @@ NamedSharding) is tested on these fake devices, so the suite needs no
 accelerator.
 """
 
+import gc
 import os
+
+import pytest
 
 # The fake devices, and a cheaper LLVM back end: the suite's programs are
 # tiny, so their time is mostly compiling; without LLVM's expensive passes the
@@ -46,3 +49,28 @@ def pytest_sessionfinish(session):
     import shutil
 
     shutil.rmtree(os.environ['JRL_TEST_XLA_CACHE_DIR'], ignore_errors=True)
+
+
+# Each XLA:CPU executable holds three memory mappings per compiled kernel
+# (code, read-only data, data) for as long as a cache keeps it. A worker
+# running half the suite kept about 15,000 kernels alive, near Linux's
+# `vm.max_map_count` (65,530 by default); past it an mmap fails inside LLVM's
+# JIT and the worker dies with a segmentation fault in whichever compile comes
+# next. After any test that leaves more than this many mappings, every
+# compiled program is dropped (the persistent cache above reloads the slow
+# ones).
+MAX_MAPPINGS = 20_000
+
+
+def mappings():
+  """How many memory mappings this process has."""
+  with open('/proc/self/maps', 'rb') as f:
+    return f.read().count(b'\n')
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+  yield
+  if os.path.exists('/proc/self/maps') and mappings() > MAX_MAPPINGS:
+    jax.clear_caches()
+    gc.collect()
