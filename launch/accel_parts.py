@@ -391,7 +391,8 @@ def grpo_step(ctx, steps=None):
   state, records = job.state, []
   for it in range(steps):
     with benches.compile_seconds() as compiled:
-      state, m = job.iterate(state, it)
+      state, report = job.iterate(state, it)
+    m = report.metrics
     records.append((m, compiled[0]))
   plan = job.memory_plan.describe()
   controller.close(job)

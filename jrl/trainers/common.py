@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jrl import distributed, models
 from jrl.data import layouts, packing
 from jrl.models import lora
+from jrl.trainers import signals
 
 
 class TrainState(NamedTuple):
@@ -453,7 +454,7 @@ def apply_gradients(
   metrics = {
     'grad_norm': grad_norm,
     'lr': schedule(state.step // accum),
-    'nonfinite': 1.0 - finite.astype(jnp.float32),
+    signals.NONFINITE: 1.0 - finite.astype(jnp.float32),
   }
   return state._replace(step=state.step + finite.astype(jnp.int32)), metrics
 

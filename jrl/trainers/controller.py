@@ -10,19 +10,20 @@ evaluation and the switch from the SFT warm-up to the main phase.
    one as config.<n>.json and prints the changes), then restores the newest
    intact checkpoint in `workdir`, if there is one;
 2. evaluates once before training (`eval.every` > 0 and `eval.at_start`, a fresh run);
-3. runs iterations `state, metrics = job.iterate(state, it)` up to
+3. runs iterations `state, report = job.iterate(state, it)` up to
    `sft.steps` + the algorithm's own steps (`rl.steps`, `dpo.steps` or
    `rm.steps`), writing metrics every iteration, evaluating every
    `eval.every` and checkpointing every `checkpoint.every`;
 4. stops with an error naming the cause after `max_nonfinite_steps`
    iterations with skipped updates, or `reward.max_unscored_steps`
-   iterations left mostly unscored by a reward function;
+   iterations left mostly unscored by a reward function (the report's
+   `skipped` and `unscored` fields, `jrl.trainers.signals`);
 5. on SIGTERM, agrees with the other processes on an iteration, saves a
    checkpoint there and returns; at the end writes the trace, the plot and
    (`export_hf`) a Hugging Face export.
 
 All side effects of a run live here; the iteration functions return new
-state and metrics.
+state and a `signals.Report` (metrics, skipped updates, unscored counts).
 """
 
 import contextlib
@@ -38,7 +39,7 @@ import jax
 from jrl import checkpoint as ckpt_lib
 from jrl import distributed
 from jrl import metrics as metrics_lib
-from jrl.trainers import checks, common, setup
+from jrl.trainers import checks, common, setup, signals
 
 
 class Job(NamedTuple):
@@ -46,7 +47,7 @@ class Job(NamedTuple):
 
   resources: setup.Resources
   state: common.TrainState  # the initial state (its structure is kept all run long)
-  iterate: Callable  # (state, iteration) -> (state, metrics)
+  iterate: Callable  # (state, iteration) -> (state, signals.Report)
   evaluate: Callable  # state -> held-out metrics ({} when there is nothing to evaluate)
   start_rl: Callable | None = None  # state -> state, once the SFT warm-up is done
   topology: Any = None  # jrl.trainers.topology strategy (online algorithms)
@@ -55,9 +56,6 @@ class Job(NamedTuple):
   close: Callable = lambda: None  # stops reward workers
   steps: Any = None  # the jitted steps, for benchmarks and tests
   memory_plan: Any = None  # memory_plan.Plan of the update (online algorithms)
-  # The models an iteration updates, as its metrics name them ('sft', 'actor',
-  # 'critic', 'dpo', 'rm'): `skipped_updates` reads which of them skipped theirs.
-  models: tuple = ('sft',)
 
 
 def close(job):
@@ -65,32 +63,6 @@ def close(job):
   if job.topology is not None:
     job.topology.close()
   job.close()
-
-
-def skipped_updates(metrics, models):
-  """The models among `models` whose update this iteration skipped (a
-  non-finite loss or gradient: `common.apply_gradients` reports it as
-  `<model>/nonfinite`), in order; () when every update was applied."""
-  return tuple(name for name in models if metrics.get(f'{name}/nonfinite', 0.0))
-
-
-def mostly_unscored(metrics, limit, errors):
-  """A description of the reward functions that left more than `limit` of
-  this iteration's completions unscored, with their failure and timeout
-  counts and first errors; '' if none did."""
-  bad = []
-  for key, frac in metrics.items():
-    if key.startswith('reward/') and key.endswith('/unscored_frac') and frac > limit:
-      name = key[len('reward/') : -len('/unscored_frac')]
-      bad.append(
-        f'reward function {name!r} left {frac:.0%} of completions unscored '
-        f'({metrics.get(f"reward/{name}/failures", 0):g} failed and '
-        f'{metrics.get(f"reward/{name}/timeouts", 0):g} timed-out chunks'
-      )
-  if not bad:
-    return ''
-  errors = '; '.join(errors[:3]) or 'no error recorded: it returned None or NaN'
-  return ', '.join(b + ')' for b in bad) + f' (first errors: {errors})'
 
 
 class _Progress:
@@ -217,14 +189,15 @@ def train(job):
       in_sft = it < warmup
       t_start = tracer.now()
       with profiling(config, resources.workdir, it + 1), tracer.span('step', 'step', iteration=it):
-        state, metrics = job.iterate(state, it)
+        state, report = job.iterate(state, it)
+      metrics = dict(report.metrics)
       if not in_sft and tracer.enabled:
         metrics.update(tracer.bubbles(t_start, tracer.now()))
       it = progress.iteration = it + 1
       if it == warmup and it < total and job.start_rl is not None:
         state = job.start_rl(state)
         progress.rl_started = True
-      skipped = skipped_updates(metrics, job.models)
+      skipped = report.skipped
       progress.nonfinite_run = progress.nonfinite_run + 1 if skipped else 0
       if due(config.eval.every, it):
         metrics.update(job.evaluate(state))
@@ -234,7 +207,9 @@ def train(job):
         samples = job.samples()
         if samples:
           writer.write_samples(it, samples)
-      unscored = reward and mostly_unscored(metrics, reward.max_unscored_frac, job.reward_errors())
+      unscored = reward and signals.mostly_unscored(
+        report.unscored, reward.max_unscored_frac, job.reward_errors()
+      )
       progress.unscored_run = progress.unscored_run + 1 if unscored else 0
       if reward and progress.unscored_run >= reward.max_unscored_steps:
         checkpointer.wait()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jrl import losses as L
 from jrl import parallel
 from jrl.data import PromptStream, read_preference_jsonl, tasks
-from jrl.trainers import checks, common, controller, engines, setup, sft
+from jrl.trainers import checks, common, controller, engines, setup, sft, signals
 from jrl.trainers.evaluation import held_out
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
@@ -244,7 +244,7 @@ def build(config):
     metrics['time/reference'] = t_ref
     metrics['time/step'] = time.perf_counter() - t_step
     metrics['phase'] = 1.0
-    return state, metrics
+    return state, signals.Report(metrics, signals.skipped(metrics, ('dpo',)))
 
   def iterate(state, it):
     return warmup.iterate(state, it) if it < config.sft.steps else dpo_iteration(state, it)
@@ -256,7 +256,6 @@ def build(config):
     evaluate,
     start_rl=lambda state: new_state(state.params, tx),
     close=close,
-    models=('sft', 'dpo'),
     steps=(warmup, steps),
   )
 

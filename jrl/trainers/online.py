@@ -30,6 +30,7 @@ from jrl.trainers import (
   rollout,
   setup,
   sft,
+  signals,
   topology,
 )
 
@@ -439,7 +440,9 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
   worker, through the topology) -> rewards shaped -> placed on the mesh, the
   reference pass -> for a rollout of an older policy, the proximal pass and
   its importance weights -> the algorithm's batch and advantages ->
-  `rl.epochs` passes of its update over minibatches -> metrics."""
+  `rl.epochs` passes of its update over minibatches -> (state,
+  signals.Report): metrics, the models whose update skipped, what the
+  rollout left unscored."""
   rl = config.rl
   t_step = time.perf_counter()
   generated = topo.next_rollout(state.params, it)
@@ -471,7 +474,10 @@ def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer
   metrics['time/step'] = time.perf_counter() - t_step
   metrics['throughput/update_tokens_per_s'] = rl.epochs * generated.num_tokens / max(t_update, 1e-9)
   metrics['phase'] = 1.0
-  return state, metrics
+  report = signals.Report(
+    metrics, signals.skipped(update_metrics, ('actor', 'critic')), generated.unscored
+  )
+  return state, report
 
 
 def advantage_metrics(adv, loss_mask):
@@ -501,7 +507,6 @@ def job(
   plan,
   uses_ref,
   start_rl,
-  models,
 ):
   """The `controller.Job` of an online run: SFT warm-up iterations
   (`warmup`, `sft.steps` of them), then `iteration` with `algorithm`.
@@ -513,7 +518,6 @@ def job(
     uses_ref: whether the run has a reference model.
     start_rl: state -> state when RL begins (a fresh optimiser, the policy as
       the reference).
-    models: the models whose skipped updates the controller counts.
   """
   rl_iteration = functools.partial(
     iteration,
@@ -538,7 +542,6 @@ def job(
     topology=topo,
     reward_errors=lambda: worker.last_errors,
     samples=lambda: worker.last_samples,
-    models=models,
     close=worker.close,
     steps=(warmup, steps),
     memory_plan=plan,

@@ -374,7 +374,6 @@ def build(
     plan=plan,
     uses_ref=uses_ref,
     start_rl=lambda state: new_state(state.params, tx),
-    models=('sft', 'actor', 'critic'),
   )
 
 

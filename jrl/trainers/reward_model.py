@@ -32,7 +32,7 @@ import numpy as np
 from jrl import distributed, models, parallel
 from jrl import losses as L
 from jrl.data import PromptStream, packing, read_preference_jsonl, tasks
-from jrl.trainers import checks, common, controller, setup
+from jrl.trainers import checks, common, controller, setup, signals
 
 
 class PairBatch(NamedTuple):
@@ -214,7 +214,7 @@ def build(config):
     metrics['time/update'] = time.perf_counter() - start
     metrics['time/step'] = time.perf_counter() - t_step
     metrics['phase'] = 1.0
-    return state, metrics
+    return state, signals.Report(metrics, signals.skipped(metrics, ('rm',)))
 
   def evaluate(state):
     """Held-out pairwise accuracy and mean margin."""
@@ -230,7 +230,7 @@ def build(config):
       'eval/reward_mean': float(np.mean(np.concatenate([chosen, rejected]))),
     }
 
-  return controller.Job(resources, state, iterate, evaluate, steps=steps, models=('sft', 'rm'))
+  return controller.Job(resources, state, iterate, evaluate, steps=steps)
 
 
 ALGORITHM = checks.register(checks.Algorithm('reward_model', build, SECTIONS, steps_section='rm'))

@@ -38,7 +38,7 @@ from jrl.rewards import shaping as reward_norm
 from jrl.rewards.base import scored_rows
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
-from jrl.trainers import checks, common, engines
+from jrl.trainers import checks, common, engines, signals
 from jrl.trainers.evaluation.held_out import HeldOut, decode
 from jrl.trainers.setup import seed
 
@@ -56,6 +56,22 @@ class Rollout(NamedTuple):
   # [B·G] bool: the rows that enter training (False: an unscored completion
   # left out, `reward.unscored='drop'`); None: every row. Laid out by rows once placed.
   valid: np.ndarray | jax.Array | None = None
+  # signals.Unscored per reward function: what the first draw left unscored.
+  unscored: tuple = ()
+
+
+def unscored_counts(scored):
+  """A ScoredBatch's unscored completions per reward function, as
+  `signals.Unscored` (the fraction of the batch, failed and timed-out chunks)."""
+  return tuple(
+    signals.Unscored(
+      name,
+      float(np.mean(~np.isfinite(values))),
+      int(scored.failures[name]),
+      int(scored.timeouts[name]),
+    )
+    for name, values in scored.per_fn.items()
+  )
 
 
 # The reward service ---------------------------------------------------------------
@@ -452,7 +468,15 @@ class RolloutWorker:
     metrics['time/reward'] = t_reward
     metrics['throughput/generate_tokens_per_s'] = gen_tokens / max(t_gen, 1e-9)
     metrics.update(version_metrics(completions, iteration))
-    return Rollout(batch, old_logp, rewards_np, version, metrics, valid=valid_np)
+    return Rollout(
+      batch,
+      old_logp,
+      rewards_np,
+      version,
+      metrics,
+      valid=valid_np,
+      unscored=unscored_counts(first_scored),
+    )
 
 
 def version_metrics(completions, iteration):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jrl import distributed, parallel
 from jrl import losses as L
-from jrl.trainers import checks, common, controller, engines, setup
+from jrl.trainers import checks, common, controller, engines, setup, signals
 from jrl.trainers.evaluation import held_out
 
 
@@ -80,7 +80,7 @@ def response_batch(resources, examples, iteration):
 
 class Warmup(NamedTuple):
   step: Any  # the jitted train_step
-  iterate: Any  # (state, iteration) -> (state, metrics)
+  iterate: Any  # (state, iteration) -> (state, signals.Report)
 
 
 def warmup(resources, state, make_batch=response_batch):
@@ -115,7 +115,7 @@ def warmup(resources, state, make_batch=response_batch):
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics['time/update'] = time.perf_counter() - start
     metrics['phase'] = 0.0
-    return state, metrics
+    return state, signals.Report(metrics, signals.skipped(metrics, ('sft',)))
 
   return Warmup(step, iterate)
 

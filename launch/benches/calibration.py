@@ -55,8 +55,8 @@ def run(args):
     for i in range(args.steps):
       if i == args.warmup:
         t_warm = tracer.now()
-      state, m = job.iterate(state, i)
-      records.append(m)
+      state, report = job.iterate(state, i)
+      records.append(report.metrics)
     controller.close(job)
     steady = records[args.warmup :]
     med = lambda k: statistics.median(r.get(k, 0.0) for r in steady)

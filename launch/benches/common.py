@@ -216,8 +216,8 @@ def rl_iterations(job, steps):
   """The metrics of the first `steps` iterations of a built job (no checkpoints, no writer)."""
   state, records = job.state, []
   for it in range(steps):
-    state, m = job.iterate(state, it)
-    records.append(m)
+    state, report = job.iterate(state, it)
+    records.append(report.metrics)
   return records
 
 

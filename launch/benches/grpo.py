@@ -84,7 +84,8 @@ def measure_grpo(config, steps, peak_n, describe, indent='  '):
   p = indent
   for it in range(steps):
     with common.compile_seconds() as seconds:
-      state, m = job.iterate(state, it)
+      state, report = job.iterate(state, it)
+    m = report.metrics
     records.append(m)
     compiling.append(seconds[0])
     print(

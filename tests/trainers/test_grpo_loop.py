@@ -37,7 +37,7 @@ from jrl import checkpoint as ckpt_lib
 from jrl import losses as L
 from jrl import metrics as metrics_lib
 from jrl import models, rewards, trainers
-from jrl.trainers import common, controller, grpo, policy_step
+from jrl.trainers import common, controller, grpo, policy_step, rollout, signals
 from jrl.trainers.optim import make_optimizer
 from tests.helpers import (
   QUIET,
@@ -293,12 +293,40 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
   assert_trees_equal(state, saved)
 
 
-def test_skipped_updates_reads_every_model_the_job_updates():
+def test_skipped_reads_every_model_an_update_names():
   """A PPO critic whose update is skipped counts as a skipped iteration."""
   m = {'actor/nonfinite': 0.0, 'critic/nonfinite': 1.0, 'sft/nonfinite': 0.0}
-  assert controller.skipped_updates(m, ('sft', 'actor', 'critic')) == ('critic',)
-  assert controller.skipped_updates(m, ('sft', 'actor')) == ()
-  assert controller.skipped_updates({'dpo/nonfinite': 1.0}, ('sft', 'dpo')) == ('dpo',)
+  assert signals.skipped(m, ('sft', 'actor', 'critic')) == ('critic',)
+  assert signals.skipped(m, ('sft', 'actor')) == ()
+  assert signals.skipped({'dpo/nonfinite': 1.0}, ('sft', 'dpo')) == ('dpo',)
+
+
+def test_mostly_unscored_names_the_reward_functions_over_the_limit():
+  unscored = (
+    signals.Unscored('code', 0.75, failures=3, timeouts=1),
+    signals.Unscored('format', 0.1, failures=0, timeouts=0),
+  )
+  said = signals.mostly_unscored(unscored, 0.5, ['boom'])
+  assert "'code' left 75% of completions unscored (3 failed and 1 timed-out chunks)" in said
+  assert 'format' not in said and 'first errors: boom' in said
+  assert signals.mostly_unscored(unscored, 0.8, []) == ''
+  assert 'no error recorded' in signals.mostly_unscored(unscored[:1], 0.5, [])
+
+
+def test_a_rollout_carries_its_unscored_counts_per_reward_function():
+  scored = rewards.ScoredBatch(
+    total=np.asarray([1.0, np.nan, np.nan, 0.0], np.float32),
+    per_fn={
+      'a': np.asarray([1.0, np.nan, np.nan, 0.0], np.float32),
+      'b': np.zeros(4, np.float32),
+    },
+    unscored={'a': 2, 'b': 0},
+    failures={'a': 1, 'b': 0},
+    timeouts={'a': 1, 'b': 0},
+    errors=[],
+  )
+  got = rollout.unscored_counts(scored)
+  assert got == (signals.Unscored('a', 0.5, 1, 1), signals.Unscored('b', 0.0, 0, 0))
 
 
 def _toy_state():

@@ -216,6 +216,7 @@ def first_steps(workdir, overrides):
   job = trainers.build(config)
   try:
     state, sft_m = job.iterate(job.state, 0)
+    sft_m = sft_m.metrics
     state = job.start_rl(state)
     _, steps = job.steps
     resources, rows = job.resources, config.rl.minibatch_size

@@ -125,7 +125,8 @@ def test_a_short_limit_gives_micro_batches_then_remat_as_measured(tmp_path):
   rl_step = getattr(steps.rl, 'fn', steps.rl)
   assert isinstance(rl_step, trainers.common.MicroBatchedStep) == (plan.budget > 0)
   state = job.start_rl(job.state) if config.sft.steps else job.state
-  state, m = job.iterate(state, config.sft.steps)
+  state, report = job.iterate(state, config.sft.steps)
+  m = report.metrics
   controller.close(job)
   assert np.isfinite(m['actor/loss'])
   assert m['throughput/micro_batches'] >= 1  # the budget is in tokens: real rows are shorter
@@ -161,7 +162,8 @@ def test_ppo_plans_its_policy_and_critic_update(tmp_path):
     tmp_path, 'ppo2', algorithm='ppo', **{'train.memory_limit_gib': (whole - 1) / 2**30}
   )
   state = job.start_rl(job.state) if config.sft.steps else job.state
-  state, m = job.iterate(state, config.sft.steps)
+  state, report = job.iterate(state, config.sft.steps)
+  m = report.metrics
   controller.close(job)
   assert (job.memory_plan.remat, job.memory_plan.budget) != ('none', 0)
   assert np.isfinite(m['actor/loss']) and np.isfinite(m['critic/vf_loss'])

@@ -21,7 +21,7 @@ from configs import common as config_common
 from configs import grpo_arith
 from jrl import distributed, trainers
 from jrl import losses as L
-from jrl.trainers import checks, common, controller, engines, setup, sft
+from jrl.trainers import checks, common, controller, engines, setup, sft, signals
 from jrl.trainers.evaluation import held_out, standalone
 from tests.helpers import QUIET, records, set_fields
 
@@ -97,10 +97,11 @@ def build(config):
     start = time.perf_counter()
     state, metrics = step(state, common.place_rows(batch, resources.batch_sharding, size))
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    return state, {**metrics, 'time/update': time.perf_counter() - start}
+    metrics['time/update'] = time.perf_counter() - start
+    return state, signals.Report(metrics, signals.skipped(metrics, ('nll',)))
 
   evaluate, close = held_out.held_out_evaluator(resources)
-  return controller.Job(resources, state, iterate, evaluate, close=close, models=('nll',))
+  return controller.Job(resources, state, iterate, evaluate, close=close)
 
 
 ALGORITHM = checks.Algorithm(

@@ -1,0 +1,68 @@
+"""What an iteration tells the controller beside its metrics, as fields.
+
+An algorithm's `iterate(state, iteration)` returns `(state, Report)`. The
+controller logs `Report.metrics` as they are and acts on the other fields
+only: it stops a run after `max_nonfinite_steps` iterations in a row with a
+`skipped` update, and after `reward.max_unscored_steps` in a row where a
+reward function left more than `reward.max_unscored_frac` of the completions
+`unscored`. No metric name is read to decide anything.
+
+The update says whether it skipped: `common.apply_gradients` leaves the
+parameters unchanged when the loss or the gradient is not finite and
+reports it as `NONFINITE` (1.0) in its metrics; `skipped` turns one iteration's update
+metrics into the names of the models whose update did not apply. The
+rollout says what it could not score: `rollout.Rollout.unscored`, one
+`Unscored` per reward function.
+"""
+
+from typing import NamedTuple
+
+NONFINITE = 'nonfinite'  # the update metric that is 1.0 when it skipped
+
+
+class Unscored(NamedTuple):
+  """One reward function's completions left without a score in a batch."""
+
+  name: str  # the reward function
+  frac: float  # of the batch's completions, in [0, 1]
+  failures: int  # chunks whose call raised
+  timeouts: int  # chunks that ran past the deadline
+
+
+class Report(NamedTuple):
+  """One iteration's outcome.
+
+  metrics: name -> float, logged as they are.
+  skipped: the models whose update was skipped this iteration (a non-finite
+    loss or gradient), in the order the iteration updates them; () when every
+    update applied.
+  unscored: per reward function, what the iteration's rollout left
+    unscored; () when nothing was scored (SFT, DPO, reward models).
+  """
+
+  metrics: dict
+  skipped: tuple = ()
+  unscored: tuple = ()
+
+
+def skipped(update_metrics, models):
+  """The models among `models` whose update skipped, from the update's host
+  metrics: `<model>/NONFINITE` above 0 (over several minibatches the
+  metrics must hold each model's largest value)."""
+  return tuple(m for m in models if update_metrics.get(f'{m}/{NONFINITE}', 0.0) > 0)
+
+
+def mostly_unscored(unscored, limit, errors):
+  """A description of the reward functions in `unscored` (Unscored) that
+  left more than `limit` of the completions unscored, with their failure
+  and timeout counts and first errors; '' if none did."""
+  bad = [
+    f'reward function {u.name!r} left {u.frac:.0%} of completions unscored '
+    f'({u.failures:g} failed and {u.timeouts:g} timed-out chunks)'
+    for u in unscored
+    if u.frac > limit
+  ]
+  if not bad:
+    return ''
+  errors = '; '.join(errors[:3]) or 'no error recorded: it returned None or NaN'
+  return ', '.join(bad) + f' (first errors: {errors})'
