@@ -362,23 +362,23 @@ def objective_section(table, args):
 def seed_preset(c, name):
   """Sets `c.rl` to the GRPO of preset `name` (`jrl.losses.PRESETS`: 'verl',
   'trl', 'openrlhf', 'nemo_rl', 'dr_grpo', 'dapo', 'trl_gmpo', 'prime_rl'):
-  its advantage estimator and arguments, the policy loss (PPO-clip, GMPO or
-  DPPO) and its arguments, the aggregation, the KL estimator, clamps and β
-  in the loss. Returns `c`."""
+  its advantage estimator and policy loss with their arguments (those it
+  does not set back to the functions' defaults), the aggregation, the KL
+  estimator, clamps and β in the loss. Returns `c`. The run's objective
+  built from `c.rl` (`policy_step.objective_of`) is then the preset."""
   p, rl = L.get_preset(name), c.rl
-  rl.advantage = p.advantage
-  preset_adv = {'scale': p.adv_scale, 'std': p.adv_std, 'eps': p.adv_eps, 'singleton': p.singleton}
-  for key in rl.adv[p.advantage]:
-    if key in preset_adv:
-      rl.adv[p.advantage][key] = preset_adv[key]
-  rl.policy_loss = p.policy_loss
-  loss_args = L.preset_loss_args(p)
-  for key in rl.loss[p.policy_loss]:
-    if key in loss_args:
-      rl.loss[p.policy_loss][key] = loss_args[key]
+  for section, kernel, table, args in (
+    ('adv', p.advantage, L.ADVANTAGE_ESTIMATORS, L.ADVANTAGE_ARGS),
+    ('loss', p.policy, L.POLICY_LOSSES, L.POLICY_LOSS_ARGS),
+  ):
+    defaults = L.default_args(table, args)[kernel.name]
+    for key, default in defaults.items():
+      rl[section][kernel.name][key] = kernel.kwargs.get(key, default)
+  rl.advantage, rl.policy_loss = p.advantage.name, p.policy.name
   rl.loss_agg, rl.loss_norm = p.loss_agg, p.loss_norm
   rl.kl_in, rl.kl_coef, rl.kl_estimator = 'loss', p.kl_coef, p.kl_estimator
   rl.kl_input_clamp, rl.kl_output_clamp = p.kl_input_clamp, p.kl_output_clamp
+  rl.entropy_coef, rl.off_policy_mask_threshold = p.entropy_coef, p.off_policy_mask_threshold
   return c
 
 

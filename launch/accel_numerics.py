@@ -220,10 +220,10 @@ def bf16_update(ctx):
     graphdef, params = models.create(config, jax.random.PRNGKey(0))
     batch, _, _ = P.benches.policy_batch(np.random.default_rng(0), rows, t, config.vocab_size)
     tx = optax.adamw(1e-5)
-    cfg = policy_step.PolicyLossConfig(chunk_size=1024)
+    cfg = policy_step.StepConfig(chunk_size=1024)
     state = common.init_state(params, tx)
     grads_fn = jax.jit(
-      functools.partial(policy_step.loss_and_grads, graphdef=graphdef, policy_config=cfg)
+      functools.partial(policy_step.loss_and_grads, graphdef=graphdef, step_config=cfg)
     )
     # The update of those gradients (what train_step and the micro-batched step apply).
     apply = jax.jit(

@@ -256,10 +256,8 @@ def update(ctx):
   batch, tokens, mask = benches.policy_batch(rng, len(lengths), t, config.vocab_size, lengths)
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
   tx = optax.adamw(1e-5)
-  cfg = policy_step.PolicyLossConfig(chunk_size=4096 if ctx.mode == 'full' else 256)
-  grads = jax.jit(
-    functools.partial(policy_step.loss_and_grads, graphdef=graphdef, policy_config=cfg)
-  )
+  cfg = policy_step.StepConfig(chunk_size=4096 if ctx.mode == 'full' else 256)
+  grads = jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, step_config=cfg))
   apply = jax.jit(
     functools.partial(policy_step.apply_update, tx=tx, schedule=optax.constant_schedule(1e-5)),
     donate_argnums=(0,),

@@ -85,10 +85,10 @@ def main(argv=None):
   )
   tokens, mask, loss_mask = (np.asarray(x) for x in (batch.tokens, batch.mask, batch.loss_mask))
   state = common.init_state(params, optax.sgd(0.0))
-  cfg = policy_step.PolicyLossConfig(chunk_size=1024)
+  cfg = policy_step.StepConfig(chunk_size=1024)
 
   def loss_and_grads(state, batch):
-    loss, _, grads = policy_step.loss_and_grads(state, batch, graphdef=graphdef, policy_config=cfg)
+    loss, _, grads = policy_step.loss_and_grads(state, batch, graphdef=graphdef, step_config=cfg)
     return loss, grads
 
   step = jax.jit(loss_and_grads)

@@ -13,8 +13,9 @@ import orbax.checkpoint as ocp
 
 from configs import common as config_common
 from configs import grpo_arith
+from jrl import losses as L
 from jrl.metrics import read_jsonl
-from jrl.trainers import common, ppo
+from jrl.trainers import common, policy_step, ppo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,6 +25,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHRINK = {k: v for k, v in config_common.SMOKE.items() if k.split('.')[0] not in ('dpo', 'rm')}
 # Runs that only need the trainer's behaviour skip the evaluation and the writers.
 QUIET = {'eval.every': 0, 'log.plot': False, 'log.tensorboard': False}
+
+
+def step_config(
+  policy_loss='ppo', loss_args=None, chunk_size=1024, temperature=1.0, router_aux_coef=0.0, **loss
+):
+  """A `policy_step.StepConfig` of the policy loss `policy_loss` with
+  `loss_args` ({argument: value}) and the other `jrl.losses.Objective`
+  fields in `loss` (loss_agg, kl_coef, ...), unchecked."""
+  objective = L.Objective(policy=L.PolicyLoss.of(policy_loss, loss_args), **loss)
+  return policy_step.StepConfig(objective, temperature, chunk_size, router_aux_coef)
 
 
 def set_fields(config, fields):

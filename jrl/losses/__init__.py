@@ -15,7 +15,17 @@ name raises `ValueError` naming the argument.
 
 Every policy loss and advantage estimator is also listed by name in
 `jrl.losses.registry` (`POLICY_LOSSES`, `ADVANTAGE_ESTIMATORS`), the one table
-that the trainer and the presets look names up in.
+that the trainer and the presets look names up in. `PolicyLoss` and
+`Advantage` are one of them with its arguments, checked when made; an
+`Objective` (`jrl.losses.objective`) holds every choice of the GRPO family's
+loss, and `token_loss` composes its terms:
+
+    obj = L.Objective(policy=L.PolicyLoss.make('ppo', {'eps_high': 0.28}))
+    adv = obj.advantage(rewards, mask, group_size=8)             # [B, T]
+    total, pg, kl, metrics = L.token_loss(obj, logp, old_logp, adv, mask)
+    loss = obj.aggregate(total, mask)
+
+A GRPO preset (`L.PRESETS['verl']`, ...) is such an Objective.
 
 See `jrl/losses/README.md` for the conventions of veRL, TRL, OpenRLHF and
 NeMo-RL and the presets that reproduce each one's GRPO.
@@ -56,6 +66,7 @@ from jrl.losses.logprobs import (
   token_logprobs_and_entropy,
   token_logprobs_from_hidden,
 )
+from jrl.losses.objective import Objective, token_loss
 from jrl.losses.policy import (
   binary_kl,
   binary_kl_mask,
@@ -83,14 +94,7 @@ from jrl.losses.preference import (
   orpo_loss,
   simpo_loss,
 )
-from jrl.losses.presets import (
-  PRESETS,
-  GRPOPreset,
-  get_preset,
-  grpo_loss,
-  preset_advantages,
-  preset_loss_args,
-)
+from jrl.losses.presets import PRESETS, get_preset, grpo_loss
 from jrl.losses.reductions import (
   AGGREGATION_MODES,
   aggregate,
@@ -110,13 +114,12 @@ from jrl.losses.registry import (
   RETURN_ADVANTAGES,
   SUPPLIED_ARGS,
   UNBOUNDED_POLICY_LOSSES,
+  Advantage,
+  PolicyLoss,
   aggregate_loss,
   default_args,
   get_advantage_estimator,
   get_policy_loss,
-  outcome_advantages_by_name,
-  policy_loss_by_name,
-  token_advantages_by_name,
   unbounded_reason,
 )
 from jrl.losses.value import entropy_loss, value_loss

@@ -9,7 +9,9 @@ silently. Checks look at static shapes only, so they cost nothing under jit.
 import numbers
 from collections.abc import Iterable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_rank(x, rank: int, name: str, dims: str) -> None:
@@ -50,11 +52,26 @@ def check_group_size(batch: int, group_size: int, name: str = 'group_size') -> N
     )
 
 
+def check_number(value, name: str) -> None:
+  """Raises unless `value` is a number (not a bool, a string or None)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
+    raise ValueError(f'`{name}` must be a number, got {value!r} ({type(value).__name__}).')
+
+
 def check_positive(value, name: str, allow_zero: bool = False) -> None:
-  """Raises unless the Python number `value` is > 0 (or >= 0)."""
-  if (allow_zero and value < 0) or (not allow_zero and value <= 0):
+  """Raises unless the number `value` is > 0 (or >= 0); NaN is neither."""
+  check_number(value, name)
+  if not (value >= 0 if allow_zero else value > 0):
     bound = '>= 0' if allow_zero else '> 0'
     raise ValueError(f'`{name}` must be {bound}, got {value!r}.')
+
+
+def check_below_one(value, name: str) -> None:
+  """Raises unless the number `value` is < 1 (a clip range ε whose lower
+  clip 1 − ε must stay above 0)."""
+  check_number(value, name)
+  if not value < 1:
+    raise ValueError(f'`{name}` must be < 1 (the lower clip 1 - {name} stays > 0), got {value!r}.')
 
 
 def as_f32(x):

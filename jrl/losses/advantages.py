@@ -290,6 +290,8 @@ def loo_advantages(rewards, group_size, *, normalize=True, eps=1e-6, valid=None)
   valid_NxG = _grouped_valid(valid, rewards, group_size)
   r_NxG = jnp.where(valid_NxG, r_NxG, 0.0)  # an invalid row's reward is never read
   check_positive(eps, 'eps', allow_zero=True)
+  if not isinstance(normalize, bool):
+    raise ValueError(f'`normalize` must be True or False, got {normalize!r}.')
   g = group_size
   if g == 1:
     return jnp.zeros_like(r_NxG[:, 0])

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl.losses import reductions
-from jrl.losses._checks import check_positive
+from jrl.losses._checks import check_below_one, check_positive
 from jrl.losses._policy_common import _check_inputs, _kl_metrics, _log_ratio, _mean
 from jrl.losses.off_policy import (
   IS_LEVELS,
@@ -110,6 +110,7 @@ def ppo_clip_loss(
   logp, old_logp, adv, m = _check_inputs(logp, old_logp, advantages, mask)
   eps_high = eps_low if eps_high is None else eps_high
   check_positive(eps_low, 'eps_low')
+  check_below_one(eps_low, 'eps_low')
   check_positive(eps_high, 'eps_high')
   if dual_clip_c is not None and not dual_clip_c > 1.0:
     raise ValueError(f'`dual_clip_c` must be > 1, got {dual_clip_c!r}.')
@@ -163,6 +164,7 @@ def gspo_loss(
   """
   logp, old_logp, adv, m = _check_inputs(logp, old_logp, advantages, mask)
   check_positive(eps_low, 'eps_low')
+  check_below_one(eps_low, 'eps_low')
   check_positive(eps_high, 'eps_high')
   log_ratio = logp - old_logp
   length_B = jnp.maximum(jnp.sum(m, axis=-1), 1.0)

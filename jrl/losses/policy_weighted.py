@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl.losses import reductions
-from jrl.losses._checks import check_positive
+from jrl.losses._checks import check_below_one, check_positive
 from jrl.losses._policy_common import _check_inputs, _kl_metrics, _log_ratio, _max, _mean
 
 
@@ -50,6 +50,7 @@ def cispo_loss(
   check_positive(eps_high, 'eps_high')
   if eps_low is not None:
     check_positive(eps_low, 'eps_low')
+    check_below_one(eps_low, 'eps_low')
   log_ratio = logp - old_logp
   ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
   lower = 0.0 if eps_low is None else 1.0 - eps_low

@@ -1,56 +1,35 @@
-"""GRPO as each framework computes it: named presets of plain values.
+"""GRPO as each framework computes it: named `Objective`s.
 
 "GRPO" names four different formulas in veRL, TRL, OpenRLHF and NeMo-RL.
-A `GRPOPreset` pins every choice that differs (the advantage estimator and
-its ε, std and singleton rule; the clip ranges, dual clip and log-ratio
-clamp; the loss aggregation; the KL estimator, its clamps and coefficient),
-and `grpo_loss` composes the `jrl.losses` functions with them. The table in
+A preset is an `Objective` (`jrl.losses.objective`) that pins every choice
+that differs: the advantage estimator and its ε, std and singleton rule; the
+clip ranges, dual clip and log-ratio clamp of the policy loss; the loss
+aggregation; the KL estimator, its clamps and coefficient. It is the same
+value that a run's `rl` section becomes, so `grpo_loss` and the trainer
+compose the same terms (`objective.token_loss`) with it. The table in
 `jrl/losses/README.md` lists the values and where each comes from. Two
 presets keep a framework's GRPO-style loop but change its policy loss:
 'trl_gmpo' (TRL's GMPOTrainer) and 'prime_rl' (prime-rl's default loss).
-
-A preset is data (a NamedTuple of Python scalars and strings), not a config
-object: `grpo_loss` unpacks it into the plain arguments of the underlying
-functions, which remain the reference. Its `advantage`, `policy_loss` and
-`loss_agg` names go through `jrl.losses.registry`, as the trainer's do;
-`kl_estimator` is the `estimator` of `kl_penalty`.
+`preset._replace(kl_estimator=...)` changes a field, and
+`preset.policy.replace(eps_high=...)` an argument of its loss.
 """
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jrl.losses import advantages as adv_lib
-from jrl.losses import kl as kl_lib
-from jrl.losses import reductions, registry
+from jrl.losses import objective, reductions
 from jrl.losses._checks import check_choice, check_rank, check_same_shape
+from jrl.losses.objective import Objective
+from jrl.losses.registry import Advantage, PolicyLoss
 
 
-class GRPOPreset(NamedTuple):
-  """Every convention that makes one framework's GRPO differ from another's."""
+def _policy(name, **args):
+  return PolicyLoss.of(name, args)
 
-  name: str
-  advantage: str  # a name in registry.OUTCOME_ADVANTAGES ('grpo' or 'loo' below).
-  adv_scale: str  # grpo_advantages `scale`: 'group' | 'batch' | 'none'.
-  adv_std: str  # grpo_advantages `std`: 'unbiased' | 'biased'.
-  adv_eps: float  # ε added to the std.
-  singleton: str  # grpo_advantages group_size == 1 rule: 'zero' | 'raw' | 'error'.
-  eps_low: float  # PPO clip range below 1.
-  eps_high: float  # PPO clip range above 1.
-  dual_clip_c: float | None  # dual-clip bound for A < 0, None for none.
-  log_ratio_clamp: float | None  # clamp on log ρ before exp, None for none.
-  loss_agg: str  # one of reductions.AGGREGATION_MODES.
-  loss_norm: float | None  # seq-mean-token-sum-norm constant; None: padded T.
-  kl_estimator: str  # one of kl.KL_ESTIMATORS ('k3_ratio_corrected' uses old_logp).
-  kl_input_clamp: float | None  # clamp on log(π/π_ref) before the estimator.
-  kl_output_clamp: float | None  # clamp on the per-token KL estimate.
-  kl_coef: float  # β of the KL term in the loss (0 turns it off).
-  # The policy loss, a name in registry.POLICY_LOSSES; it takes the clip fields
-  # above that it has arguments of (PPO all four, GSPO and GMPO eps_low/eps_high)
-  # and `loss_args`, ((argument, value), ...), for its others.
-  policy_loss: str = 'ppo'
-  loss_args: tuple = ()
+
+def _advantage(name, **args):
+  return Advantage.of(name, args)
 
 
 PRESETS = {
@@ -58,23 +37,15 @@ PRESETS = {
   # +1e-6, singleton mean 0 / std 1), compute_policy_loss_vanilla (clip 0.2,
   # clip_ratio_c 3, log-ratio clamp ±20), agg_loss token-mean, kl_penalty
   # low_var_kl (clamps ±20 in, ±10 out), kl_loss_coef 0.001.
-  'verl': GRPOPreset(
-    name='verl',
-    advantage='grpo',
-    adv_scale='group',
-    adv_std='unbiased',
-    adv_eps=1e-6,
-    singleton='raw',
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=3.0,
-    log_ratio_clamp=20.0,
+  'verl': Objective(
+    policy=_policy('ppo', eps_low=0.2, eps_high=0.2, dual_clip_c=3.0, log_ratio_clamp=20.0),
+    advantage=_advantage('grpo', scale='group', std='unbiased', eps=1e-6, singleton='raw'),
     loss_agg='token-mean',
     loss_norm=None,
+    kl_coef=0.001,
     kl_estimator='k3',
     kl_input_clamp=20.0,
     kl_output_clamp=10.0,
-    kl_coef=0.001,
   ),
   # trl GRPOTrainer: (r - mean) / (std + 1e-4), scale_rewards="group", a lone
   # sample gets std 0 hence advantage 0; epsilon 0.2 = epsilon_high; no dual
@@ -82,199 +53,105 @@ PRESETS = {
   # without clamps, times the differentiable ratio π/π_old
   # (use_bias_correction_kl=True, GRPOConfig's default in TRL 1.16; earlier
   # releases defaulted to False: _replace(kl_estimator='k3') for those).
-  'trl': GRPOPreset(
-    name='trl',
-    advantage='grpo',
-    adv_scale='group',
-    adv_std='unbiased',
-    adv_eps=1e-4,
-    singleton='zero',
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'trl': Objective(
+    policy=_policy('ppo', eps_low=0.2, eps_high=0.2),
+    advantage=_advantage('grpo', scale='group', std='unbiased', eps=1e-4, singleton='zero'),
     loss_agg='token-mean',
     loss_norm=None,
+    kl_coef=0.0,
     kl_estimator='k3_ratio_corrected',
     kl_input_clamp=None,
     kl_output_clamp=None,
-    kl_coef=0.0,
   ),
   # OpenRLHF advantage_estimator "group_norm": (r - mean) / (std + 1e-9),
   # n_samples_per_prompt > 1 asserted; PolicyLoss eps_clip 0.2, no dual clip,
   # no clamp, token-level masked mean; compute_approx_kl k3 with the estimate
   # clamped to ±10, used as a loss (--use_kl_loss), init_kl_coef 0.01.
-  'openrlhf': GRPOPreset(
-    name='openrlhf',
-    advantage='grpo',
-    adv_scale='group',
-    adv_std='unbiased',
-    adv_eps=1e-9,
-    singleton='error',
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'openrlhf': Objective(
+    policy=_policy('ppo', eps_low=0.2, eps_high=0.2),
+    advantage=_advantage('grpo', scale='group', std='unbiased', eps=1e-9, singleton='error'),
     loss_agg='token-mean',
     loss_norm=None,
+    kl_coef=0.01,
     kl_estimator='k3',
     kl_input_clamp=None,
     kl_output_clamp=10.0,
-    kl_coef=0.01,
   ),
   # NeMo-RL GRPO: leave-one-out baseline and leave-one-out std (+1e-6, only
   # where std > 0); ClippedPGLossFn ratio_clip 0.2/0.2, no dual clip, token
   # level; calculate_kl k3 with input clamp ±20 and output clamp ±10,
   # reference_policy_kl_penalty 0.01.
-  'nemo_rl': GRPOPreset(
-    name='nemo_rl',
-    advantage='loo',
-    adv_scale='group',
-    adv_std='unbiased',
-    adv_eps=1e-6,
-    singleton='zero',
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'nemo_rl': Objective(
+    policy=_policy('ppo', eps_low=0.2, eps_high=0.2),
+    advantage=_advantage('loo', eps=1e-6),
     loss_agg='token-mean',
     loss_norm=None,
+    kl_coef=0.01,
     kl_estimator='k3',
     kl_input_clamp=20.0,
     kl_output_clamp=10.0,
-    kl_coef=0.01,
   ),
   # Dr. GRPO (Liu et al. 2025): no std scaling, constant normaliser (the
   # padded response length), no KL.
-  'dr_grpo': GRPOPreset(
-    name='dr_grpo',
-    advantage='grpo',
-    adv_scale='none',
-    adv_std='unbiased',
-    adv_eps=0.0,
-    singleton='zero',
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'dr_grpo': Objective(
+    policy=_policy('ppo', eps_low=0.2, eps_high=0.2),
+    advantage=_advantage('grpo', scale='none', std='unbiased', eps=0.0, singleton='zero'),
     loss_agg='seq-mean-token-sum-norm',
     loss_norm=None,
+    kl_coef=0.0,
     kl_estimator='k3',
     kl_input_clamp=None,
     kl_output_clamp=None,
-    kl_coef=0.0,
   ),
   # DAPO (Yu et al. 2025): clip-higher 0.2 / 0.28, token-mean, no KL. Its
   # dynamic sampling and overlong shaping live in the trainer.
-  'dapo': GRPOPreset(
-    name='dapo',
-    advantage='grpo',
-    adv_scale='group',
-    adv_std='unbiased',
-    adv_eps=1e-6,
-    singleton='zero',
-    eps_low=0.2,
-    eps_high=0.28,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'dapo': Objective(
+    policy=_policy('ppo', eps_low=0.2, eps_high=0.28),
+    advantage=_advantage('grpo', scale='group', std='unbiased', eps=1e-6, singleton='zero'),
     loss_agg='token-mean',
     loss_norm=None,
+    kl_coef=0.0,
     kl_estimator='k3',
     kl_input_clamp=None,
     kl_output_clamp=None,
-    kl_coef=0.0,
   ),
   # TRL's experimental GMPOTrainer (trl/experimental/gmpo, TRL 1.10.dev):
   # GRPOConfig's advantages as 'trl'; GMPOConfig's epsilon 0.4 (= epsilon_high)
   # in log space, clipped per token before the geometric mean; the mean of the
   # per-sequence losses over the batch (seq-mean-token-mean); beta 0.0, and
   # when set, plain k3 averaged per sequence.
-  'trl_gmpo': GRPOPreset(
-    name='trl_gmpo',
-    advantage='grpo',
-    adv_scale='group',
-    adv_std='unbiased',
-    adv_eps=1e-4,
-    singleton='zero',
-    eps_low=0.4,
-    eps_high=0.4,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'trl_gmpo': Objective(
+    policy=_policy('gmpo', eps_low=0.4, eps_high=0.4),
+    advantage=_advantage('grpo', scale='group', std='unbiased', eps=1e-4, singleton='zero'),
     loss_agg='seq-mean-token-mean',
     loss_norm=None,
+    kl_coef=0.0,
     kl_estimator='k3',
     kl_input_clamp=None,
     kl_output_clamp=None,
-    kl_coef=0.0,
-    policy_loss='gmpo',
   ),
   # prime-rl v0.8's GRPO: reward minus the group mean (no std), and its default
   # loss (trainer/rl/loss.py default_loss_fn, DefaultLossConfig): DPPO-Binary-TV
   # masking at 0.2 / 0.2 in probability, the unclipped importance ratio on the
   # kept tokens, kl_tau 1e-3 on (log ratio)^2; summed and divided by the global
   # token count; no reference KL. The clip fields are not read by 'dppo'.
-  'prime_rl': GRPOPreset(
-    name='prime_rl',
-    advantage='grpo',
-    adv_scale='none',
-    adv_std='unbiased',
-    adv_eps=0.0,
-    singleton='zero',
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=None,
-    log_ratio_clamp=None,
+  'prime_rl': Objective(
+    policy=_policy('dppo', delta_low=0.2, delta_high=0.2, kl_tau=1e-3),
+    advantage=_advantage('grpo', scale='none', std='unbiased', eps=0.0, singleton='zero'),
     loss_agg='token-mean',
     loss_norm=None,
+    kl_coef=0.0,
     kl_estimator='k3',
     kl_input_clamp=None,
     kl_output_clamp=None,
-    kl_coef=0.0,
-    policy_loss='dppo',
-    loss_args=(('delta_low', 0.2), ('delta_high', 0.2), ('kl_tau', 1e-3)),
   ),
 }
 
 
 def get_preset(name):
-  """Returns the preset called `name` (one of `PRESETS`)."""
+  """The preset called `name` (one of `PRESETS`), an Objective."""
   check_choice(name, 'preset', PRESETS)
   return PRESETS[name]
-
-
-def preset_loss_args(preset):
-  """{argument: value} of `preset`'s policy loss: the clip fields and
-  `loss_args` (`registry.policy_loss_by_name` passes on those the loss takes)."""
-  return {
-    'eps_low': preset.eps_low,
-    'eps_high': preset.eps_high,
-    'dual_clip_c': preset.dual_clip_c,
-    'log_ratio_clamp': preset.log_ratio_clamp,
-    **dict(preset.loss_args),
-  }
-
-
-def preset_advantages(rewards, group_size, preset, *, axis_name=None):
-  """Outcome advantages as `preset` computes them.
-
-  Args:
-    rewards: [B] outcome rewards in consecutive groups of `group_size`.
-    group_size: G dividing B.
-    preset: a GRPOPreset.
-    axis_name: mapped axis for batch statistics.
-
-  Returns:
-    [B] float32.
-  """
-  args = {
-    'scale': preset.adv_scale,
-    'std': preset.adv_std,
-    'eps': preset.adv_eps,
-    'singleton': preset.singleton,
-  }
-  return registry.outcome_advantages_by_name(
-    preset.advantage, rewards, group_size, args, axis_name=axis_name, field='preset.advantage'
-  )
 
 
 def grpo_loss(
@@ -291,9 +168,9 @@ def grpo_loss(
 ):
   """The full GRPO objective of one framework, as a scalar.
 
-    A = preset advantages of `rewards`, broadcast over each response's tokens
+    A = the preset's advantages of `rewards`, broadcast over each response's tokens
     ℓ_t = policy loss(logp, old_logp, A) + β · KL_t(logp ‖ ref_logp)
-          (`preset.policy_loss`: PPO-clip for the GRPO presets, GMPO for
+          (`preset.policy`: PPO-clip for the GRPO presets, GMPO for
           'trl_gmpo', DPPO for 'prime_rl')
           (KL_t: `preset.kl_estimator`; 'k3_ratio_corrected' multiplies k3 by
           exp(logp − old_logp), see `jrl.losses.kl`)
@@ -306,7 +183,7 @@ def grpo_loss(
     rewards: [B] outcome rewards, groups of `group_size` consecutive rows.
     mask: [B, T] 0/1 response mask.
     group_size: G dividing B.
-    preset: a GRPOPreset or the name of one.
+    preset: an Objective (one of `PRESETS`) or the name of one.
     kl_coef: β; None takes `preset.kl_coef`.
     axis_name: mapped data axis for global token means and batch statistics.
 
@@ -321,34 +198,19 @@ def grpo_loss(
   check_rank(rewards, 1, 'rewards', '[B]')
   if rewards.shape[0] != logp.shape[0]:
     raise ValueError(f'`rewards` must have shape [B={logp.shape[0]}], got {rewards.shape}.')
-  beta = preset.kl_coef if kl_coef is None else kl_coef
-  if beta and ref_logp is None:
-    raise ValueError('`ref_logp` is required when the KL coefficient is nonzero.')
+  if kl_coef is not None:
+    preset = preset._replace(kl_coef=kl_coef)
 
-  adv_B = jax.lax.stop_gradient(preset_advantages(rewards, group_size, preset, axis_name=axis_name))
-  adv_BxT = adv_lib.broadcast_to_tokens(adv_B, mask)
-  pg_BxT, metrics = registry.policy_loss_by_name(
-    preset.policy_loss, logp, old_logp, adv_BxT, mask, preset_loss_args(preset), axis_name=axis_name
-  )
-  total_BxT = pg_BxT
-  kl_BxT = jnp.zeros_like(pg_BxT)
-  if beta:
-    kl_BxT = kl_lib.kl_penalty(
-      logp,
-      ref_logp,
-      estimator=preset.kl_estimator,
-      input_clamp=preset.kl_input_clamp,
-      output_clamp=preset.kl_output_clamp,
-      mask=mask,
-      old_logp=old_logp,
-    )
-    total_BxT = pg_BxT + beta * kl_BxT
-
-  agg = {'loss_norm': preset.loss_norm, 'axis_name': axis_name}
-  loss = registry.aggregate_loss(total_BxT, mask, preset.loss_agg, **agg)
   stop = jax.lax.stop_gradient
-  metrics['pg_loss'] = registry.aggregate_loss(stop(pg_BxT), mask, preset.loss_agg, **agg)
-  metrics['kl'] = registry.aggregate_loss(stop(kl_BxT), mask, preset.loss_agg, **agg)
+  adv_B = stop(preset.advantage.outcome(rewards, group_size, axis_name=axis_name))
+  adv_BxT = adv_lib.broadcast_to_tokens(adv_B, mask)
+  total_BxT, pg_BxT, kl_BxT, metrics = objective.token_loss(
+    preset, logp, old_logp, adv_BxT, mask, ref_logp=ref_logp, axis_name=axis_name
+  )
+  reduce = lambda x: preset.aggregate(x, mask, axis_name=axis_name)
+  loss = reduce(total_BxT)
+  metrics['pg_loss'] = reduce(stop(pg_BxT))
+  metrics['kl'] = reduce(stop(kl_BxT))
   metrics['advantages_mean'] = reductions.token_mean(adv_BxT, mask, axis_name=axis_name)
   centred_sq = jnp.square(adv_BxT - metrics['advantages_mean'])
   metrics['advantages_std'] = jnp.sqrt(reductions.token_mean(centred_sq, mask, axis_name=axis_name))

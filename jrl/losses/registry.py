@@ -1,4 +1,5 @@
-"""Every objective of `jrl.losses` by name: the one table from a name to its function.
+"""Every objective of `jrl.losses` by name: the one table from a name to its
+function, and the typed call of one (`PolicyLoss`, `Advantage`).
 
 The trainer (`jrl.trainers.policy_step`, from `config.rl`) and the GRPO presets
 (`jrl.losses.presets`) both go from a name to a function through this module;
@@ -6,8 +7,8 @@ neither keeps a table of its own. Adding a policy loss is: write the kernel in
 `jrl/losses/policy.py`, add one entry to `POLICY_LOSSES` and one to
 `POLICY_LOSS_ARGS` (the keyword arguments callers may set), say whether and
 by which argument it bounds the update (`UNBOUNDED_POLICY_LOSSES`,
-`_UPPER_BOUNDS`: asynchronous runs refuse an unbounded one), and give any
-new argument a config field (see `jrl/losses/README.md`).
+`_UPPER_BOUNDS`: asynchronous runs refuse an unbounded one), and check its
+arguments in its first lines (see `jrl/losses/README.md`).
 
 | table                  | name →                                                  |
 |------------------------|---------------------------------------------------------|
@@ -21,31 +22,28 @@ new argument a config field (see `jrl/losses/README.md`).
 | `KL_ESTIMATORS`        | the `estimator` of `kl_penalty` (dispatched there)      |
 | `AGGREGATION_MODES`    | the `mode` of `aggregate` (dispatched there)            |
 
-Hyperparameters travel as one mapping of plain values keyed by the
-functions' keyword names (`{'eps_low': 0.2, 'tau_pos': 1.0, ...}`), the same
-mapping whichever function the name picks: `policy_loss_by_name` forwards
-the keys its entry in `POLICY_LOSS_ARGS` lists and leaves the others, so a
-caller need not know which loss takes what. Two rules keep this explicit:
-
-* a value of None is not forwarded, so the function's default applies (the
-  trainer's `log_ratio_clamp` of None leaves SAPO's default clamp of 20 and
-  PPO's default of no clamp);
-* a key that no function of the table takes raises, naming it.
+A `PolicyLoss(name, args)` or `Advantage(name, args)` is one function of a
+table with the keyword arguments it is called with, under the function's
+own names: `make` checks them once (an argument the function does not take,
+or a value its own checks refuse, raises naming the config field), and
+calling it calls the function with them. None and the function's own
+default are left out, so equal values compute the same thing.
 
 Nothing here sees a config: names and values are plain strings and numbers.
 """
 
 import inspect
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jrl.losses import advantages as adv_lib
 from jrl.losses import kl as kl_lib
 from jrl.losses import policy, reductions
-from jrl.losses._checks import check_choice, check_same_shape
+from jrl.losses._checks import check_choice, check_positive, check_same_shape
 
 # Policy losses -----------------------------------------------------------------
 
@@ -205,27 +203,192 @@ def get_advantage_estimator(name, field='advantage'):
   return ADVANTAGE_ESTIMATORS[name]
 
 
-def _forwarded(name, args, table, what):
-  """The items of `args` that `table[name]` lists, without the None values."""
-  known = {key for keys in table.values() for key in keys}
-  unknown = sorted(set(args) - known)
-  if unknown:
-    raise ValueError(
-      f'{unknown} are not arguments of any {what}; the {what}s take {tuple(sorted(known))}.'
-    )
-  return {key: args[key] for key in table[name] if args.get(key) is not None}
+def _canonical_args(fn, args):
+  """((argument, value), ...) of the mapping `args`, sorted by argument,
+  without the values that leave `fn`'s default: None, or the default itself.
+  Two calls of the same function that compute the same thing compare equal."""
+  params = inspect.signature(fn).parameters
+  out = []
+  for key, value in dict(args or {}).items():
+    default = params[key].default if key in params else inspect.Parameter.empty
+    if value is None or (type(value) is type(default) and value == default):
+      continue
+    out.append((key, value))
+  return tuple(sorted(out))
 
 
-def unbounded_reason(name, args: Mapping[str, Any]):
-  """Why the policy loss called `name` with the arguments `args` (plain
-  values by keyword name; None or absent: the function's default) does not
-  bound the update, or None when it does.
+def probe(call, shapes, names, field):
+  """Traces `call(*inputs of shapes)` without computing it, so that the
+  function it calls runs its own argument checks. Their ValueError comes
+  back with each backquoted argument name replaced by its name in `names`
+  ({argument: name}, e.g. 'eps_low': 'rl.loss.ppo.eps_low'), or, where the
+  message names none, prefixed with `field`.
+
+  Args:
+    call: a function of the inputs.
+    shapes: ((input name, shape), ...): float32 inputs, bool for 'mask'.
+    names: {argument: the name errors give it}.
+    field: the name of the whole call, for messages that name no argument.
+  """
+  inputs = [
+    jax.ShapeDtypeStruct(shape, jnp.bool_ if name == 'mask' else jnp.float32)
+    for name, shape in shapes
+  ]
+  try:
+    jax.eval_shape(call, *inputs)
+  except (ValueError, TypeError) as e:
+    message = str(e)
+    for key, name in names.items():
+      message = message.replace(f'`{key}`', f'`{name}`')
+    if message == str(e):
+      message = f'`{field}`: {message}'
+    raise ValueError(message) from None
+
+
+def _named(args, field):
+  return {key: f'{field}.{key}' for key in args}
+
+
+def _check_args(name, args, table_args, field, what):
+  """Refuses an argument that the function called `name` does not take."""
+  takes = tuple(k for k in table_args[name] if k != 'axis_name')
+  for key, _ in args:
+    if key not in takes:
+      raise ValueError(
+        f'`{field}.{key}` is not an argument of the {what} {name!r}: it takes {takes}.'
+      )
+
+
+class PolicyLoss(NamedTuple):
+  """A policy loss of `POLICY_LOSSES` with the keyword arguments it is called
+  with: the typed value a config's `rl.policy_loss` and `rl.loss.<name>`
+  section become, and a preset's. Hashable, so a static argument of a jitted
+  step. Build it with `PolicyLoss.make`, which checks the arguments once
+  with the function's own checks; calling it is calling the function.
+  """
+
+  name: str = 'ppo'
+  args: tuple = ()  # ((argument, value), ...), sorted; absent: the function's default
+
+  @classmethod
+  def make(cls, name, args=None, field='rl.loss', name_field='rl.policy_loss'):
+    """The loss called `name` with `args` ({argument: value}; None: the
+    function's default). A ValueError names `name_field` for an unknown
+    name, and `field.<name>.<argument>` for an argument the loss does not
+    take or a value its checks refuse."""
+    check_choice(name, name_field, POLICY_LOSSES)
+    loss = cls.of(name, args)
+    _check_args(name, loss.args, POLICY_LOSS_ARGS, f'{field}.{name}', 'policy loss')
+    shapes = (('logp', (1, 2)), ('old_logp', (1, 2)), ('advantages', (1, 2)), ('mask', (1, 2)))
+    call = lambda *xs: POLICY_LOSSES[name](*xs, **loss.kwargs)
+    at = f'{field}.{name}'
+    probe(call, shapes, _named(POLICY_LOSS_ARGS[name], at), at)
+    return loss
+
+  @classmethod
+  def of(cls, name, args=None):
+    """The loss called `name` with `args`, unchecked (`make` checks)."""
+    return cls(name, _canonical_args(POLICY_LOSSES[name], args))
+
+  @property
+  def kwargs(self):
+    return dict(self.args)
+
+  def replace(self, **args):
+    """The same loss with `args` changed (None: back to the default)."""
+    return PolicyLoss.make(self.name, {**self.kwargs, **args}, 'policy', 'policy.name')
+
+  def __call__(self, logp, old_logp, advantages, mask, *, axis_name=None):
+    """(loss [B, T] float32 zero where mask is 0, metrics dict of [] float32)
+    of `logp`, `old_logp`, `advantages`, `mask`, all [B, T] (see `ppo_clip_loss`)."""
+    fn = POLICY_LOSSES[self.name]
+    return fn(logp, old_logp, advantages, mask, **self.kwargs, axis_name=axis_name)
+
+
+class Advantage(NamedTuple):
+  """An advantage estimator of `ADVANTAGE_ESTIMATORS` with its keyword
+  arguments (`rl.advantage` and `rl.adv.<name>`; REINFORCE++'s `kl_coef`
+  is the run's β when the KL is in the reward). Built and called as
+  `PolicyLoss` is."""
+
+  name: str = 'grpo'
+  args: tuple = ()
+
+  @classmethod
+  def make(cls, name, args=None, field='rl.adv', name_field='rl.advantage'):
+    """As `PolicyLoss.make`, for the estimator called `name`."""
+    check_choice(name, name_field, ADVANTAGE_ESTIMATORS)
+    adv = cls.of(name, args)
+    at = f'{field}.{name}'
+    _check_args(name, adv.args, ADVANTAGE_ARGS, at, 'advantage estimator')
+    if name in OUTCOME_ADVANTAGES:
+      fn = lambda rewards: OUTCOME_ADVANTAGES[name](rewards, 2, **adv.kwargs)
+      probe(fn, (('rewards', (2,)),), _named(ADVANTAGE_ARGS[name], at), at)
+    else:
+      fn = lambda rewards, mask: RETURN_ADVANTAGES[name](rewards, mask, 2, **adv.kwargs)
+      probe(fn, (('rewards', (2,)), ('mask', (2, 2))), _named(ADVANTAGE_ARGS[name], at), at)
+    return adv
+
+  @classmethod
+  def of(cls, name, args=None):
+    """The estimator called `name` with `args`, unchecked (`make` checks)."""
+    return cls(name, _canonical_args(ADVANTAGE_ESTIMATORS[name], args))
+
+  @property
+  def kwargs(self):
+    return dict(self.args)
+
+  def replace(self, **args):
+    """The same estimator with `args` changed (None: back to the default)."""
+    return Advantage.make(self.name, {**self.kwargs, **args}, 'advantage', 'advantage.name')
+
+  @property
+  def per_token(self):
+    """True for the estimators of per-token returns (`RETURN_ADVANTAGES`)."""
+    return self.name in RETURN_ADVANTAGES
+
+  def _kwargs(self, valid, axis_name):
+    kwargs = self.kwargs
+    if 'axis_name' in ADVANTAGE_ARGS[self.name]:
+      kwargs['axis_name'] = axis_name
+    if valid is not None:
+      kwargs['valid'] = valid
+    return kwargs
+
+  def outcome(self, rewards, group_size, *, valid=None, axis_name=None):
+    """One advantage per sequence, [B] float32, from `rewards` [B] in
+    consecutive groups of `group_size`; rows that `valid` ([B] bool) leaves
+    out get 0 and count in no statistic. A per-token estimator raises."""
+    if self.per_token:
+      raise ValueError(
+        f'{self.name!r} gives one advantage per token: call the Advantage itself '
+        f'(one of {tuple(OUTCOME_ADVANTAGES)} gives one per sequence).'
+      )
+    return OUTCOME_ADVANTAGES[self.name](rewards, group_size, **self._kwargs(valid, axis_name))
+
+  def __call__(self, rewards, mask, group_size, *, kl=None, valid=None, axis_name=None):
+    """Per-token advantages [B, T] float32, zero where `mask` [B, T] is 0 and
+    on the rows `valid` leaves out: an outcome estimator's sequence
+    advantage on each response token (`broadcast_to_tokens`), or the return
+    estimators' per-token values with the KL `kl` [B, T] (times `kl_coef`)
+    in the reward. Outcome estimators do not read `kl`."""
+    if not self.per_token:
+      return adv_lib.broadcast_to_tokens(
+        self.outcome(rewards, group_size, valid=valid, axis_name=axis_name), mask
+      )
+    fn = RETURN_ADVANTAGES[self.name]
+    return fn(rewards, mask, group_size, kl=kl, **self._kwargs(valid, axis_name))
+
+
+def unbounded_reason(loss: PolicyLoss):
+  """Why the policy loss `loss` does not bound the update, or None when it does.
 
   Bounded are the clipped surrogates (PPO, GSPO, GMPO, CISPO's clipped
   weight), the soft gates (SAPO, VESPO) and the masked importance-sampling
   losses (IcePop, DPPO, KPop), each with a finite bound;
-  `importance_sampling` never is. A None `eps_high` of PPO is its `eps_low`.
+  `importance_sampling` never is. An absent `eps_high` of PPO is its `eps_low`.
   """
+  name, args = loss.name, loss.kwargs
   check_choice(name, 'policy_loss', POLICY_LOSSES)
   if name in UNBOUNDED_POLICY_LOSSES:
     return f'{name!r} {UNBOUNDED_POLICY_LOSSES[name]}'
@@ -243,101 +406,6 @@ def unbounded_reason(name, args: Mapping[str, Any]):
     f'{name!r} with {key}={value!r} leaves the ratio π/π_old of a token with A > 0 '
     f'unbounded (a bound needs {key} < {limit!r})'
   )
-
-
-def policy_loss_by_name(
-  name, logp, old_logp, advantages, mask, args: Mapping[str, Any], *, axis_name=None
-):
-  """The per-token policy loss called `name` (one of `POLICY_LOSSES`).
-
-  Args:
-    name: one of `POLICY_LOSSES`.
-    logp, old_logp, advantages, mask: [B, T] (see `ppo_clip_loss`).
-    args: plain values by keyword name, for any of the losses; the keys in
-      `POLICY_LOSS_ARGS[name]` whose value is not None are passed on.
-    axis_name: optional mapped axis for the metrics.
-
-  Returns:
-    (loss [B, T] float32 zero where mask is 0, metrics dict of [] float32).
-  """
-  fn = get_policy_loss(name)
-  kwargs = _forwarded(name, args, POLICY_LOSS_ARGS, 'policy loss')
-  return fn(logp, old_logp, advantages, mask, **kwargs, axis_name=axis_name)
-
-
-def outcome_advantages_by_name(
-  name,
-  rewards,
-  group_size,
-  args: Mapping[str, Any],
-  *,
-  valid=None,
-  axis_name=None,
-  field='advantage',
-):
-  """One advantage per sequence from the estimator called `name`.
-
-  Args:
-    name: one of `OUTCOME_ADVANTAGES` (a per-token estimator raises).
-    rewards: [B] outcome rewards, groups of `group_size` consecutive rows.
-    group_size: G dividing B.
-    args: plain values by keyword name (see `ADVANTAGE_ARGS`).
-    valid: optional [B] bool, the rows that count (`jrl.losses.advantages`):
-      the others get 0 and leave the statistics alone.
-    axis_name: mapped axis, for the estimators that take one.
-    field: the name that errors give to `name`.
-
-  Returns:
-    [B] float32.
-  """
-  check_choice(name, field, OUTCOME_ADVANTAGES)
-  kwargs = _forwarded(name, {**args, 'axis_name': axis_name}, ADVANTAGE_ARGS, 'advantage estimator')
-  if valid is not None:
-    kwargs['valid'] = valid
-  return OUTCOME_ADVANTAGES[name](rewards, group_size, **kwargs)
-
-
-def token_advantages_by_name(
-  name,
-  rewards,
-  mask,
-  group_size,
-  args: Mapping[str, Any],
-  *,
-  kl=None,
-  valid=None,
-  axis_name=None,
-  field='advantage',
-):
-  """Per-token advantages [B, T] from the estimator called `name`.
-
-  Outcome estimators give each response token its sequence's advantage
-  (`broadcast_to_tokens`); the return estimators (REINFORCE++) compute one
-  per token, with the KL penalty `kl` (times `args['kl_coef']`) in the
-  reward. Outcome estimators do not use `kl`. Rows that `valid` leaves out
-  get 0 on every token and count in no statistic.
-
-  Args:
-    name: one of `ADVANTAGE_ESTIMATORS`.
-    rewards: [B] outcome rewards, groups of `group_size` consecutive rows.
-    mask: [B, T] 0/1 response mask.
-    group_size: G dividing B.
-    args: plain values by keyword name (see `ADVANTAGE_ARGS`).
-    kl: optional [B, T] per-token KL for the return estimators.
-    valid: optional [B] bool, the rows that count (default: all).
-    axis_name: mapped axis, for the estimators that take one.
-    field: the name that errors give to `name`.
-
-  Returns:
-    [B, T] float32, zero where mask is 0 and on invalid rows.
-  """
-  fn = get_advantage_estimator(name, field)
-  kwargs = _forwarded(name, {**args, 'axis_name': axis_name}, ADVANTAGE_ARGS, 'advantage estimator')
-  if valid is not None:
-    kwargs['valid'] = valid
-  if name in OUTCOME_ADVANTAGES:
-    return adv_lib.broadcast_to_tokens(fn(rewards, group_size, **kwargs), mask)
-  return fn(rewards, mask, group_size, kl=kl, **kwargs)
 
 
 def aggregate_loss(x, mask, mode, *, loss_norm=None, num_seqs=None, axis_name=None):
@@ -358,6 +426,8 @@ def aggregate_loss(x, mask, mode, *, loss_norm=None, num_seqs=None, axis_name=No
   Returns:
     [] float32.
   """
+  if loss_norm is not None:
+    check_positive(loss_norm, 'loss_norm')
   norm = None
   if mode == 'seq-mean-token-sum-norm':
     norm = loss_norm or jnp.shape(x)[1]

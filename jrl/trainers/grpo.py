@@ -56,14 +56,14 @@ def make_steps(config, resources, tx, schedule, shardings, packer=None, remat=No
   """The Steps of a run; the update's forward with the `remat` policy (None:
   the model's own, `memory_plan.with_remat`)."""
   rl = config.rl
-  policy_config = policy_step.loss_config(rl, config.train.chunk_size, config.sampling.temperature)
+  step_config = policy_step.step_config(rl, config.train.chunk_size, config.sampling.temperature)
   accum = int(config.optim.grad_accum)
   graphdef = resources.model.graphdef
   if remat is not None:
     graphdef = memory_plan.with_remat(graphdef, resources.params, remat)
   rl_step = common.jit_update(
     (policy_step.train_step, policy_step.loss_and_grads, policy_step.apply_update),
-    dict(graphdef=graphdef, policy_config=policy_config),
+    dict(graphdef=graphdef, step_config=step_config),
     dict(tx=tx, schedule=schedule, accum=accum),
     shardings,
     packer is not None and packer.budget,  # micro-batches of a token budget
@@ -72,7 +72,9 @@ def make_steps(config, resources, tx, schedule, shardings, packer=None, remat=No
   )
   advantages = jax.jit(
     functools.partial(
-      policy_step.advantages, group_size=rl.group_size, adv_config=policy_step.advantage_config(rl)
+      policy_step.advantages,
+      group_size=rl.group_size,
+      estimator=step_config.objective.advantage,
     )
   )
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
@@ -130,7 +132,7 @@ def build(
     probe_batch,
     worker=worker,
   )
-  adv_cfg = policy_step.advantage_config(rl)
+  kl_in_reward = policy_step.objective_of(rl).advantage.kwargs.get('kl_coef')
   teachers = distill.load(config, resources, packer)
 
   def batch(state, generated, old_logp, is_weights, metrics):
@@ -139,7 +141,7 @@ def build(
     del state
     mask = generated.batch.loss_mask
     kl_reward = None
-    if adv_cfg.kl_coef_in_reward:
+    if kl_in_reward:
       kl_reward = L.kl_penalty(generated.old_logp, generated.ref_logp, estimator='k1', mask=mask)
     adv = steps.advantages(
       jnp.asarray(generated.rewards), mask, kl_BxT=kl_reward, valid_B=generated.valid

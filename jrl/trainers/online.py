@@ -27,6 +27,7 @@ from jrl.trainers import (
   controller,
   correction,
   engines,
+  policy_step,
   rollout,
   setup,
   sft,
@@ -46,20 +47,19 @@ def check_rl(config, batch_shards):
   estimators, policy_losses = tuple(L.ADVANTAGE_ESTIMATORS), tuple(L.POLICY_LOSSES)
   need(rl.advantage in estimators, 'rl.advantage', f'must be one of {estimators}.')
   need(rl.policy_loss in policy_losses, 'rl.policy_loss', f'one of {policy_losses}.')
-  need(rl.loss_agg in L.AGGREGATION_MODES, 'rl.loss_agg', f'one of {L.AGGREGATION_MODES}.')
   for field, choices in CHOICES.items():
     present, value = checks.lookup(config, field)
     need(not present or value in choices, field, f'must be one of {choices}, got {value!r}.')
-  for section, fns, args in (
-    ('adv', L.ADVANTAGE_ESTIMATORS, L.ADVANTAGE_ARGS),
-    ('loss', L.POLICY_LOSSES, L.POLICY_LOSS_ARGS),
+  # Every kernel's section, by the kernel's own argument checks; the chosen
+  # ones become the run's objective the same way (policy_step.objective_of).
+  for section, make, names in (
+    ('adv', L.Advantage.make, L.ADVANTAGE_ESTIMATORS),
+    ('loss', L.PolicyLoss.make, L.POLICY_LOSSES),
   ):
-    settable = L.default_args(fns, args)  # what the config's section was built from
     for name in rl[section]:
-      need(name in settable, f'rl.{section}.{name}', f'is not one of {tuple(settable)}.')
-      keys = tuple(settable[name])
-      for key in rl[section][name]:
-        need(key in keys, f'rl.{section}.{name}.{key}', f'is not one of {keys}.')
+      need(name in names, f'rl.{section}.{name}', f'is not one of {tuple(names)}.')
+      make(name, dict(rl[section][name]), f'rl.{section}')
+  policy_step.objective_of(rl)
   rows = rl.prompts_per_step * rl.group_size
   need(
     rows % rl.minibatch_size == 0,
@@ -77,12 +77,6 @@ def check_rl(config, batch_shards):
     0 <= rl.overlong_buffer < config.task.max_response_len,
     'rl.overlong_buffer',
     'must be in [0, task.max_response_len).',
-  )
-  icepop = rl.loss.get('icepop')
-  need(
-    icepop is None or icepop.low < icepop.high,
-    'rl.loss.icepop.low',
-    f'must be below rl.loss.icepop.high ({icepop.high if icepop else None}).',
   )
   check_bounded_when_stale(config)
   need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
@@ -122,8 +116,8 @@ def check_bounded_when_stale(config):
   rl, k = config.rl, topology.staleness(config)
   if not k or rl.allow_unbounded_async:
     return
-  reason = L.unbounded_reason(rl.policy_loss, dict(rl.loss[rl.policy_loss]))
-  bounded = tuple(name for name in L.POLICY_LOSSES if L.unbounded_reason(name, {}) is None)
+  reason = L.unbounded_reason(L.PolicyLoss(rl.policy_loss, tuple(rl.loss[rl.policy_loss].items())))
+  bounded = tuple(name for name in L.POLICY_LOSSES if not L.unbounded_reason(L.PolicyLoss(name)))
   checks.need(
     reason is None,
     'rl.allow_unbounded_async',
@@ -135,12 +129,8 @@ def check_bounded_when_stale(config):
   )
 
 
-# The string arguments of the advantage estimators, with the values they take.
+# The fields of `rl` that take one of a few values.
 CHOICES = {
-  'rl.adv.grpo.scale': ('group', 'batch', 'none'),
-  'rl.adv.grpo.std': ('unbiased', 'biased'),
-  'rl.adv.grpo.singleton': ('zero', 'raw', 'error'),
-  'rl.adv.loo.normalize': (True, False),
   'rl.allow_unbounded_async': (True, False),
   'rl.minibatch_by': ('auto', 'row', 'group'),
 }
@@ -153,41 +143,11 @@ RL = checks.Section(
     'rl.group_size': checks.count(1),
     'rl.epochs': checks.count(1),
     'rl.minibatch_size': checks.count(1),
-    'rl.adv.grpo.eps': checks.non_negative(),
-    'rl.adv.loo.eps': checks.non_negative(),
-    'rl.adv.reinforce_pp.gamma': checks.fraction(),
-    'rl.adv.reinforce_pp_baseline.gamma': checks.fraction(),
-    # The clip ranges of the PPO-style losses (the ratio's lower clip 1 - eps_low stays > 0).
-    'rl.loss.ppo.eps_low': checks.fraction(hi_open=True),
-    'rl.loss.ppo.eps_high': checks.non_negative(optional=True),  # None: eps_low
-    'rl.loss.ppo.dual_clip_c': checks.Range(False, 1, lo_open=True, also=(None,)),  # c > 1
-    'rl.loss.ppo.log_ratio_clamp': checks.positive(optional=True),
-    'rl.loss.gspo.eps_low': checks.fraction(hi_open=True),
-    'rl.loss.gspo.eps_high': checks.non_negative(),
-    'rl.loss.cispo.eps_high': checks.non_negative(),
-    'rl.loss.sapo.tau_pos': checks.positive(),
-    'rl.loss.sapo.tau_neg': checks.positive(),
-    'rl.loss.sapo.log_ratio_clamp': checks.positive(optional=True),
-    'rl.loss.vespo.k_pos': checks.non_negative(),
-    'rl.loss.vespo.lambda_pos': checks.non_negative(),
-    'rl.loss.vespo.k_neg': checks.non_negative(),
-    'rl.loss.vespo.lambda_neg': checks.non_negative(),
-    'rl.loss.gmpo.eps_low': checks.positive(),  # log space: the ratio's lower clip e^-eps_low
-    'rl.loss.gmpo.eps_high': checks.positive(),
-    'rl.loss.importance_sampling.log_ratio_clamp': checks.positive(optional=True),
-    'rl.loss.icepop.low': checks.non_negative(),  # ratio band [low, high]
-    'rl.loss.icepop.high': checks.positive(),
-    'rl.loss.icepop.kl_tau': checks.non_negative(),
-    'rl.loss.dppo.delta_low': checks.non_negative(),  # probability steps
-    'rl.loss.dppo.delta_high': checks.non_negative(),
-    'rl.loss.dppo.kl_tau': checks.non_negative(),
-    'rl.loss.kpop.threshold': checks.positive(),  # binary KL, nats
-    'rl.loss.kpop.kl_tau': checks.non_negative(),
-    'rl.loss_norm': checks.positive(optional=True),
+    # rl.adv.<name>.<argument>, rl.loss.<name>.<argument>, rl.loss_agg, rl.loss_norm,
+    # rl.kl_estimator, rl.kl_input_clamp, rl.kl_output_clamp and
+    # rl.off_policy_mask_threshold are kernel arguments: the kernels' own checks
+    # run on them in check_rl (policy_step.objective_of).
     'rl.kl_coef': checks.non_negative(),
-    'rl.kl_input_clamp': checks.positive(optional=True),
-    'rl.kl_output_clamp': checks.positive(optional=True),
-    'rl.off_policy_mask_threshold': checks.non_negative(optional=True),
     'rl.entropy_coef': checks.Range(False),
     'rl.overlong_buffer': checks.count(0),
     'rl.overlong_penalty': checks.non_negative(),

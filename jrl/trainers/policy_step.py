@@ -12,9 +12,10 @@ per token, computed once per rollout by `advantages`.
     ℓ_t = policy_loss(logp, old_logp, A) + β · KL_t(π ‖ π_ref) − c_H · H_t
     L   = aggregate(ℓ, loss_mask, loss_agg)
 
-`policy_loss` and `advantage` are names that `jrl.losses.registry` looks up
-(`L.POLICY_LOSSES`, `L.ADVANTAGE_ESTIMATORS`); this module only turns the
-config's plain values into those functions' keyword arguments.
+The terms are `jrl.losses.token_loss` of the run's `jrl.losses.Objective`,
+which `objective_of(config.rl)` builds once from the config (its kernels'
+arguments checked there); this module adds what the trainer has and the
+losses do not: micro-batches, unscored rows, the MoE router's loss.
 """
 
 from typing import Any, NamedTuple
@@ -45,27 +46,18 @@ class PolicyBatch(NamedTuple):
   valid: jax.Array | None = None
 
 
-class PolicyLossConfig(NamedTuple):
-  """Plain values, read from `config.rl` at the edge."""
+class StepConfig(NamedTuple):
+  """What the update's loss needs besides the batch: the objective (a
+  `jrl.losses.Objective`, from `config.rl` by `objective_of`) and how the
+  model's logprobs are computed. Hashable: a static argument of the step."""
 
-  policy_loss: str = 'ppo'  # one of L.POLICY_LOSSES
-  # ((argument, value), ...): keyword arguments of that loss under its own
-  # names (`config.rl.loss.<policy_loss>`); None or absent: the loss's default
-  loss_args: tuple = ()
-  loss_agg: str = 'token-mean'  # one of L.AGGREGATION_MODES
-  loss_norm: float | None = None  # seq-mean-token-sum-norm constant (None: L)
-  kl_coef: float = 0.0  # KL in the loss (0: off)
-  kl_estimator: str = 'k3'  # one of L.KL_ESTIMATORS; 'k3_ratio_corrected' uses old_logp
-  kl_input_clamp: float | None = None
-  kl_output_clamp: float | None = None
-  entropy_coef: float = 0.0
+  objective: L.Objective = L.Objective()
   temperature: float = 1.0  # the sampling temperature
-  chunk_size: int = 1024
-  off_policy_mask_threshold: float | None = None  # δ of L.off_policy_sequence_mask (None: off)
+  chunk_size: int = 1024  # train.chunk_size
   router_aux_coef: float = 0.0  # MoE router load-balancing loss in the loss (0: off)
 
 
-def policy_loss(params, graphdef, batch, policy_config):
+def policy_loss(params, graphdef, batch, step_config):
   """Scalar loss and metrics for one minibatch, or for the micro-batch of it
   that `batch.packed.select` holds.
 
@@ -84,85 +76,56 @@ def policy_loss(params, graphdef, batch, policy_config):
     batch.tokens,
     batch.mask,
     batch.packed,
-    temperature=policy_config.temperature,
-    chunk_size=policy_config.chunk_size,
+    temperature=step_config.temperature,
+    chunk_size=step_config.chunk_size,
     with_entropy=True,
-    with_router_loss=bool(policy_config.router_aux_coef),
+    with_router_loss=bool(step_config.router_aux_coef),
   )
-  return objective(logp, entropy, router[0] if router else None, batch, policy_config)
+  return objective(logp, entropy, router[0] if router else None, batch, step_config)
 
 
-def objective(logp, entropy, router_loss, batch, policy_config):
+def objective(logp, entropy, router_loss, batch, step_config):
   """`policy_loss` from the model's outputs: the policy loss named by
-  `policy_config`, the off-policy mask and importance weights, the KL and entropy
+  `step_config`, the off-policy mask and importance weights, the KL and entropy
   terms, aggregated.
 
   Args:
     logp, entropy: [B, T] float32 at the sampling temperature.
     router_loss: [] the MoE router's load-balancing loss, or None.
-    batch: PolicyBatch; policy_config: PolicyLossConfig.
+    batch: PolicyBatch; step_config: StepConfig.
 
   Returns:
     (loss [], metrics dict of [] float32).
   """
   stop = jax.lax.stop_gradient
+  obj = step_config.objective
   loss_mask, num_seqs = trained_mask(batch)
   held, own_mask = common.held_mask(loss_mask, batch.packed)
   # Sequences of other micro-batches: the behaviour logprobs stand in for
   # theirs (ratio 1, every term finite), and their terms are zeroed.
   logp = common.only_held(logp, held, stop(batch.old_logp))
   entropy = common.only_held(entropy, held)
-  pg, metrics = L.policy_loss_by_name(
-    policy_config.policy_loss,
+  total, pg, kl, metrics = L.token_loss(
+    obj,
     logp,
     batch.old_logp,
     batch.advantages,
     own_mask,
-    dict(policy_config.loss_args),
+    ref_logp=batch.ref_logp,
+    entropy=entropy,
+    is_weights=getattr(batch, 'is_weights', None),
   )
-  if policy_config.off_policy_mask_threshold is not None:
-    # DeepSeek-V3.2's off-policy sequence mask, against the behaviour logprobs.
-    keep, opsm_metrics = L.off_policy_sequence_mask(
-      logp,
-      batch.old_logp,
-      batch.advantages,
-      own_mask,
-      threshold=policy_config.off_policy_mask_threshold,
-    )
-    pg = pg * keep
-    metrics.update(opsm_metrics)
-  is_weights = getattr(batch, 'is_weights', None)
-  if is_weights is not None:
-    pg = pg * is_weights
-  total = pg
-  kl = jnp.zeros_like(pg)
-  if policy_config.kl_coef:
-    kl = L.kl_penalty(
-      logp,
-      batch.ref_logp,
-      estimator=policy_config.kl_estimator,
-      input_clamp=policy_config.kl_input_clamp,
-      output_clamp=policy_config.kl_output_clamp,
-      mask=own_mask,
-      old_logp=batch.old_logp,
-    )
-    total = total + policy_config.kl_coef * kl
-  if policy_config.entropy_coef:
-    total = total + policy_config.entropy_coef * L.entropy_loss(entropy, own_mask)
   own = lambda x: common.only_held(x, held)
-  agg = dict(loss_norm=policy_config.loss_norm, num_seqs=num_seqs)
-  loss = L.aggregate_loss(own(total), loss_mask, policy_config.loss_agg, **agg)
+  loss = obj.aggregate(own(total), loss_mask, num_seqs=num_seqs)
   metrics = {f'actor/{k}': v for k, v in metrics.items()}
-  if policy_config.router_aux_coef:
+  if step_config.router_aux_coef:
     # A micro-batch's router loss is over its own tokens: weighed by its
     # share of the minibatch's real tokens (exact for one micro-batch).
     real_mask = batch.mask if held is None else batch.mask & held
     real_share = jnp.sum(real_mask) / jnp.maximum(jnp.sum(batch.mask), 1)
-    loss = loss + policy_config.router_aux_coef * real_share * router_loss
+    loss = loss + step_config.router_aux_coef * real_share * router_loss
     metrics['actor/router_loss'] = stop(router_loss)
-  metrics['actor/pg_loss'] = L.aggregate_loss(
-    own(stop(pg)), loss_mask, policy_config.loss_agg, **agg
-  )
+  metrics['actor/pg_loss'] = obj.aggregate(own(stop(pg)), loss_mask, num_seqs=num_seqs)
   metrics['actor/kl_ref'] = L.token_mean(stop(kl), own_mask)
   metrics['actor/entropy'] = L.token_mean(stop(entropy), own_mask)
   # Before any update this is the sampler-vs-trainer logprob difference.
@@ -189,7 +152,7 @@ TOKEN_SHARE = 'token_share'
 ADDITIVE_METRICS = ('actor/loss', 'actor/pg_loss')
 
 
-def train_step(state, batch, *, graphdef, tx, schedule, policy_config, accum=1):
+def train_step(state, batch, *, graphdef, tx, schedule, step_config, accum=1):
   """One optimiser step on one minibatch; non-finite steps are skipped.
 
   Args:
@@ -197,24 +160,22 @@ def train_step(state, batch, *, graphdef, tx, schedule, policy_config, accum=1):
     batch: PolicyBatch.
     graphdef: the model graph (static).
     tx, schedule: from `make_optimizer`.
-    policy_config: PolicyLossConfig.
+    step_config: StepConfig.
     accum: gradient-accumulation factor (for the logged learning rate).
 
   Returns:
     (state, metrics).
   """
-  loss, metrics, grads = loss_and_grads(
-    state, batch, graphdef=graphdef, policy_config=policy_config
-  )
+  loss, metrics, grads = loss_and_grads(state, batch, graphdef=graphdef, step_config=step_config)
   del metrics[TOKEN_SHARE]
   return apply_update(state, grads, loss, metrics, tx=tx, schedule=schedule, accum=accum)
 
 
-def loss_and_grads(state, batch, *, graphdef, policy_config):
+def loss_and_grads(state, batch, *, graphdef, step_config):
   """(loss [], metrics, grads) of `policy_loss` at `state.params` on one
   (micro-)batch."""
   (loss, metrics), grads = jax.value_and_grad(policy_loss, has_aux=True)(
-    state.params, graphdef, batch, policy_config
+    state.params, graphdef, batch, step_config
   )
   metrics['actor/loss'] = loss
   return loss, metrics, grads
@@ -230,69 +191,53 @@ def apply_update(state, grads, loss, metrics, *, tx, schedule, accum=1):
 # Advantages ------------------------------------------------------------------
 
 
-class AdvantageConfig(NamedTuple):
-  estimator: str = 'grpo'  # one of L.ADVANTAGE_ESTIMATORS
-  # ((argument, value), ...): keyword arguments of that estimator under its
-  # own names (`config.rl.adv.<estimator>`); absent: the estimator's default
-  args: tuple = ()
-  kl_coef_in_reward: float = 0.0  # β of a KL penalty folded into the reward
-
-
-def advantages(rewards_B, loss_mask_BxT, group_size, adv_config, kl_BxT=None, valid_B=None):
-  """Per-token advantages [B, T] of one rollout batch (`L.token_advantages_by_name`).
+def advantages(rewards_B, loss_mask_BxT, group_size, estimator, kl_BxT=None, valid_B=None):
+  """Per-token advantages [B, T] of one rollout batch from `estimator` (a
+  `jrl.losses.Advantage`, `StepConfig.objective.advantage`).
 
   Outcome estimators (grpo, dr_grpo, rloo, loo) give each response token its
   sequence's advantage; REINFORCE++ variants use per-token returns with the
-  KL penalty (β = `kl_coef_in_reward`) in the reward. Rows that `valid_B`
-  ([B] bool, None: all) leaves out get 0 and count in no group or batch
-  statistic.
+  KL penalty `kl_BxT` (β: the estimator's `kl_coef`, the run's when
+  `rl.kl_in` is 'reward') in the reward. Rows that `valid_B` ([B] bool,
+  None: all) leaves out get 0 and count in no group or batch statistic.
   """
-  args = {**dict(adv_config.args), 'kl_coef': adv_config.kl_coef_in_reward}
-  return L.token_advantages_by_name(
-    adv_config.estimator,
-    rewards_B,
-    loss_mask_BxT,
-    group_size,
-    args,
-    kl=kl_BxT,
-    valid=valid_B,
-    field='rl.advantage',
-  )
+  return estimator(rewards_B, loss_mask_BxT, group_size, kl=kl_BxT, valid=valid_B)
 
 
 # From the config ------------------------------------------------------------
 
 
-def settings(section):
-  """((argument, value), ...) of a `config.rl.loss.<name>` / `rl.adv.<name>`
-  section, sorted: hashable, for the static step arguments."""
-  return tuple(sorted(section.items()))
-
-
-def loss_config(rl, chunk_size=1024, temperature=1.0):
-  """The PolicyLossConfig of a config's `rl` section (`chunk_size`:
-  `train.chunk_size`; `temperature`: `sampling.temperature`, the logprobs'."""
-  return PolicyLossConfig(
-    policy_loss=rl.policy_loss,
-    loss_args=settings(rl.loss[rl.policy_loss]),
+def objective_of(rl):
+  """The `jrl.losses.Objective` of a config's `rl` section: the policy loss
+  `rl.policy_loss` with the arguments of its section `rl.loss.<name>`, the
+  estimator `rl.advantage` with `rl.adv.<name>`, and the rest of the loss.
+  Every value that is a kernel's argument is checked here by the kernel's
+  own checks (`PolicyLoss.make`, `Advantage.make`, `Objective.check`); a
+  ValueError names the field (`rl.loss.ppo.eps_high`, `rl.kl_input_clamp`)."""
+  kl_in_loss = rl.kl_in == 'loss'
+  adv_args = dict(rl.adv.get(rl.advantage) or {})  # an unknown name: `make` names the field
+  if not kl_in_loss and 'kl_coef' in L.ADVANTAGE_ARGS.get(rl.advantage, ()):
+    adv_args['kl_coef'] = rl.kl_coef  # REINFORCE++: β · KL in the reward
+  return L.Objective(
+    policy=L.PolicyLoss.make(rl.policy_loss, dict(rl.loss.get(rl.policy_loss) or {})),
+    advantage=L.Advantage.make(rl.advantage, adv_args),
     loss_agg=rl.loss_agg,
     loss_norm=rl.loss_norm,
-    kl_coef=rl.kl_coef if rl.kl_in == 'loss' else 0.0,
+    kl_coef=rl.kl_coef if kl_in_loss else 0.0,
     kl_estimator=rl.kl_estimator,
     kl_input_clamp=rl.kl_input_clamp,
     kl_output_clamp=rl.kl_output_clamp,
     entropy_coef=rl.entropy_coef,
+    off_policy_mask_threshold=rl.off_policy_mask_threshold,
+  ).check('rl')
+
+
+def step_config(rl, chunk_size=1024, temperature=1.0):
+  """The StepConfig of a config's `rl` section (`chunk_size`:
+  `train.chunk_size`; `temperature`: `sampling.temperature`, the logprobs')."""
+  return StepConfig(
+    objective=objective_of(rl),
     temperature=temperature,
     chunk_size=chunk_size,
-    off_policy_mask_threshold=rl.off_policy_mask_threshold,
     router_aux_coef=rl.router_aux_coef,
-  )
-
-
-def advantage_config(rl):
-  """The AdvantageConfig of a config's `rl` section."""
-  return AdvantageConfig(
-    estimator=rl.advantage,
-    args=settings(rl.adv[rl.advantage]),
-    kl_coef_in_reward=rl.kl_coef if rl.kl_in == 'reward' else 0.0,
   )

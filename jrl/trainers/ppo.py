@@ -94,7 +94,7 @@ def value_loss_fn(params, graphdef, batch, value_clip):
 ADDITIVE_METRICS = policy_step.ADDITIVE_METRICS + ('critic/vf_loss',)
 
 
-def loss_and_grads(state, batch, *, graphdef, critic_graphdef, policy_config, value_clip):
+def loss_and_grads(state, batch, *, graphdef, critic_graphdef, step_config, value_clip):
   """((policy loss, value loss), metrics, (policy grads, critic grads)) of
   one (micro-)batch."""
   pbatch = policy_step.PolicyBatch(
@@ -109,7 +109,7 @@ def loss_and_grads(state, batch, *, graphdef, critic_graphdef, policy_config, va
     valid=batch.valid,
   )
   loss, metrics, grads = policy_step.loss_and_grads(
-    state, pbatch, graphdef=graphdef, policy_config=policy_config
+    state, pbatch, graphdef=graphdef, step_config=step_config
   )
   (vloss, vmetrics), vgrads = jax.value_and_grad(value_loss_fn, has_aux=True)(
     state.extra['critic'].params, critic_graphdef, batch, value_clip
@@ -143,7 +143,7 @@ def train_step(
   schedule,
   critic_tx,
   critic_schedule,
-  policy_config,
+  step_config,
   value_clip,
 ):
   """One minibatch update of the policy (PPO clip) and of the critic.
@@ -156,7 +156,7 @@ def train_step(
     batch,
     graphdef=graphdef,
     critic_graphdef=critic_graphdef,
-    policy_config=policy_config,
+    step_config=step_config,
     value_clip=value_clip,
   )
   del metrics[policy_step.TOKEN_SHARE]
@@ -230,7 +230,7 @@ def make_steps(config, resources, critic, optimizers, shardings, packer=None, re
     models_['critic_graphdef'] = memory_plan.with_remat(critic_graphdef, critic[1], remat)
   models_ = dict(
     **models_,
-    policy_config=policy_step.loss_config(
+    step_config=policy_step.step_config(
       config.rl, config.train.chunk_size, config.sampling.temperature
     ),
     value_clip=config.ppo.value_clip,

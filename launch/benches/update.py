@@ -73,7 +73,7 @@ def run(args):
       graphdef=graphdef,
       tx=tx,
       schedule=schedule,
-      policy_config=policy_step.PolicyLossConfig(chunk_size=1024),
+      step_config=policy_step.StepConfig(chunk_size=1024),
     )
   )
   state = train_common.init_state(params, tx)
@@ -111,10 +111,8 @@ def bench_micro_batches(
   from jrl.trainers import policy_step
 
   row_len = args.row_len or args.max_len
-  cfg = policy_step.PolicyLossConfig(chunk_size=1024)
-  grads = jax.jit(
-    functools.partial(policy_step.loss_and_grads, graphdef=graphdef, policy_config=cfg)
-  )
+  cfg = policy_step.StepConfig(chunk_size=1024)
+  grads = jax.jit(functools.partial(policy_step.loss_and_grads, graphdef=graphdef, step_config=cfg))
   apply = jax.jit(functools.partial(policy_step.apply_update, tx=tx, schedule=schedule))
   step = train_common.MicroBatchedStep(
     grads, apply, policy_step.ADDITIVE_METRICS, policy_step.TOKEN_SHARE

@@ -327,16 +327,18 @@ def test_masks_match_areals_rejection_sampling(seed):
 def test_unbounded_reason():
   defaults = L.default_args(L.POLICY_LOSSES, L.POLICY_LOSS_ARGS)
   for name, args in defaults.items():
-    reason = L.unbounded_reason(name, args)
+    reason = L.unbounded_reason(L.PolicyLoss.of(name, args))
     assert (reason is None) == (name != 'importance_sampling'), (name, reason)
-  assert 'neither clipped nor masked' in L.unbounded_reason('importance_sampling', {})
+  reason = lambda name, args: L.unbounded_reason(L.PolicyLoss.of(name, args))
+  assert 'neither clipped nor masked' in reason('importance_sampling', {})
   # DPPO drops no token with A > 0 once δ_high ≥ 1 (π − π_old ≤ 1 always).
-  assert L.unbounded_reason('dppo', {'delta_high': 0.99}) is None
-  assert 'delta_high=1.0' in L.unbounded_reason('dppo', {'delta_high': 1.0})
-  assert L.unbounded_reason('icepop', {'high': math.inf}) is not None
-  assert L.unbounded_reason('ppo', {'eps_low': 0.2, 'eps_high': None}) is None
+  assert reason('dppo', {'delta_high': 0.99}) is None
+  assert 'delta_high=1.0' in reason('dppo', {'delta_high': 1.0})
+  assert reason('icepop', {'high': math.inf}) is not None
+  assert reason('ppo', {'eps_low': 0.2, 'eps_high': None}) is None
+  assert 'eps_high=inf' in reason('ppo', {'eps_low': math.inf})  # eps_high defaults to it
   with pytest.raises(ValueError, match='`policy_loss` must be one of'):
-    L.unbounded_reason('reinforce', {})
+    L.unbounded_reason(L.PolicyLoss('reinforce'))
 
 
 def test_bad_arguments_are_named():

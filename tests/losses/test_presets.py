@@ -204,7 +204,7 @@ def test_singleton_groups_follow_each_convention():
   rewards = np.array([1.0, 0.0, 0.5, 1.0])
   old = logp.copy()  # ratio 1: the loss is −Σ A m / Σ m
   adv = {
-    name: np.asarray(L.preset_advantages(jnp.asarray(rewards, jnp.float32), 1, L.get_preset(name)))
+    name: np.asarray(L.get_preset(name).advantage.outcome(jnp.asarray(rewards, jnp.float32), 1))
     for name in ('verl', 'trl', 'nemo_rl')
   }
   # veRL: mean := 0, std := 1, so A = r / (1 + 1e-6).
@@ -224,7 +224,7 @@ def test_singleton_groups_follow_each_convention():
 def test_zero_variance_group_has_exactly_zero_advantage(name):
   # 0.1 is not representable: (r − mean) / ε would be float noise / 1e-6.
   rewards = jnp.array([0.1, 0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 1.0], jnp.float32)
-  adv = np.asarray(L.preset_advantages(rewards, 4, L.get_preset(name)))
+  adv = np.asarray(L.get_preset(name).advantage.outcome(rewards, 4))
   np.testing.assert_array_equal(adv[:4], 0.0)
   assert np.all(adv[4:] != 0.0)
 
@@ -391,5 +391,6 @@ def test_verl_clamp_keeps_gradients_finite_beyond_float32_range():
   loss, grad = jax.value_and_grad(loss_fn)(f32(logp), L.get_preset('verl'))
   np.testing.assert_allclose(float(loss), _ref_verl(logp, old, ref, rewards, mask, 4), rtol=1e-5)
   assert np.all(np.isfinite(np.asarray(grad)))
-  unclamped = L.get_preset('verl')._replace(log_ratio_clamp=None)
+  verl = L.get_preset('verl')
+  unclamped = verl._replace(policy=verl.policy.replace(log_ratio_clamp=None))
   assert not np.all(np.isfinite(np.asarray(jax.grad(loss_fn)(f32(logp), unclamped))))

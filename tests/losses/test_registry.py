@@ -1,10 +1,11 @@
 """Tests for the name -> function tables of jrl.losses.registry.
 
 The tables are consistent (every name has its argument list, every listed
-argument is a keyword of its function); a lookup by name is bit-identical
-to calling the function with the listed arguments, jitted or not; None
-leaves a function's default; and an unknown name or argument raises a
-ValueError that lists what is valid. The numerics themselves are the
+argument is a keyword of its function); calling a `PolicyLoss` or an
+`Advantage` is bit-identical to calling the function with its arguments,
+jitted or not; None leaves a function's default; and an unknown name or
+argument, or a value the kernel's own checks refuse, raises a ValueError
+naming the field when the kernel is made. The numerics themselves are the
 kernels' and are tested in test_policy.py, test_soft_policy.py and
 test_advantages.py.
 """
@@ -21,7 +22,7 @@ from jrl.losses import registry
 
 B, T, G = 8, 6, 4
 
-# One mapping for every loss, as the trainer passes it.
+# Values of every loss's arguments; each loss takes those it lists.
 LOSS_ARGS = {
   'eps_low': 0.2,
   'eps_high': 0.28,
@@ -107,47 +108,101 @@ def test_unknown_name_lists_the_valid_names(lookup, names):
 
 
 def test_unknown_name_error_names_the_field():
-  rewards, mask = jnp.zeros(4), jnp.ones((4, 3))
   with pytest.raises(ValueError, match=r'^`rl\.advantage` must be one of'):
-    L.token_advantages_by_name('vtrace', rewards, mask, 2, {}, field='rl.advantage')
+    L.Advantage.make('vtrace', {})
+  with pytest.raises(ValueError, match=r'^`rl\.policy_loss` must be one of'):
+    L.PolicyLoss.make('reinforce', {})
 
 
 def test_unknown_argument_is_named():
-  logp, old, adv, mask, *_ = _batch()
-  with pytest.raises(ValueError, match=r"\['eps_hgh'\] are not arguments of any policy loss"):
-    L.policy_loss_by_name('ppo', logp, old, adv, mask, {'eps_hgh': 0.3})
-  with pytest.raises(ValueError, match=r"\['tau_pos'\] are not arguments of any advantage"):
-    L.token_advantages_by_name('grpo', jnp.zeros(4), jnp.ones((4, 3)), 2, {'tau_pos': 1.0})
+  with pytest.raises(
+    ValueError, match=r'^`rl\.loss\.ppo\.eps_hgh` is not an argument of the policy'
+  ):
+    L.PolicyLoss.make('ppo', {'eps_hgh': 0.3})
+  with pytest.raises(ValueError, match=r'^`rl\.adv\.grpo\.tau_pos` is not an argument of the adv'):
+    L.Advantage.make('grpo', {'tau_pos': 1.0})
+  # CISPO takes ε_high only: its lower bound stays off (MiniMax-M1).
+  with pytest.raises(ValueError, match=r'`rl\.loss\.cispo\.eps_low` is not an argument'):
+    L.PolicyLoss.make('cispo', {'eps_low': 0.01, 'eps_high': 0.3})
 
 
-def test_outcome_lookup_refuses_a_return_estimator():
-  with pytest.raises(ValueError, match=r'`advantage` must be one of .*\'loo\'\)'):
-    L.outcome_advantages_by_name('reinforce_pp', jnp.zeros(4), 2, {})
+@pytest.mark.parametrize(
+  'name, args, message',
+  [
+    ('ppo', {'eps_low': -0.1}, '`rl.loss.ppo.eps_low` must be > 0, got -0.1.'),
+    ('ppo', {'eps_low': 1.0}, '`rl.loss.ppo.eps_low` must be < 1'),
+    ('ppo', {'dual_clip_c': 0.5}, '`rl.loss.ppo.dual_clip_c` must be > 1, got 0.5.'),
+    ('sapo', {'tau_pos': float('nan')}, '`rl.loss.sapo.tau_pos` must be > 0, got nan.'),
+    ('icepop', {'low': 3.0, 'high': 2.0}, '`rl.loss.icepop.high` (2.0) must be > `rl.loss.icepop'),
+    ('gspo', {'eps_high': '0.2'}, "`rl.loss.gspo.eps_high` must be a number, got '0.2' (str)."),
+  ],
+)
+def test_a_value_the_kernel_refuses_is_refused_when_made(name, args, message):
+  """`make` runs the kernel's own checks (traced, nothing computed), so a
+  value fails when the config is read, with the field, not at the first step."""
+  with pytest.raises(ValueError) as info:
+    L.PolicyLoss.make(name, args)
+  assert str(info.value).startswith(message)
 
 
-# Dispatch is the direct call ----------------------------------------------------------
+@pytest.mark.parametrize(
+  'name, args, message',
+  [
+    ('grpo', {'scale': 'groups'}, "`rl.adv.grpo.scale` must be one of ('group', 'batch', 'none')"),
+    ('loo', {'normalize': 'no'}, "`rl.adv.loo.normalize` must be True or False, got 'no'."),
+    ('reinforce_pp', {'gamma': 1.5}, '`rl.adv.reinforce_pp.gamma` must be in [0, 1], got 1.5.'),
+  ],
+)
+def test_an_estimator_value_the_kernel_refuses_is_refused_when_made(name, args, message):
+  with pytest.raises(ValueError) as info:
+    L.Advantage.make(name, args)
+  assert str(info.value).startswith(message)
+
+
+def test_a_kernel_is_the_same_value_whether_defaults_are_spelled_or_not():
+  """None and a function's own default leave it: equal kernels compute the
+  same, so a config that spells every default equals a preset that does not."""
+  assert L.PolicyLoss.make('ppo', {'eps_low': 0.2, 'eps_high': None}) == L.PolicyLoss('ppo')
+  assert L.Advantage.make('loo', {'normalize': True, 'eps': 1e-6}) == L.Advantage('loo')
+  assert L.PolicyLoss.make('ppo', {'eps_high': 0.28}).args == (('eps_high', 0.28),)
+  assert hash(L.PolicyLoss.make('sapo', {'tau_neg': 1.5})) == hash(
+    L.PolicyLoss.of('sapo', {'tau_neg': 1.5})
+  )
+
+
+def test_outcome_refuses_a_return_estimator():
+  with pytest.raises(ValueError, match="'reinforce_pp' gives one advantage per token"):
+    L.Advantage('reinforce_pp').outcome(jnp.zeros(4), 2)
+
+
+# A kernel's call is the direct call ---------------------------------------------
+
+
+def _loss_args(name):
+  return {k: LOSS_ARGS[k] for k in L.POLICY_LOSS_ARGS[name] if LOSS_ARGS[k] is not None}
+
+
+def _adv_args(name):
+  return {k: ADV_ARGS[k] for k in L.ADVANTAGE_ARGS[name] if k in ADV_ARGS}
 
 
 @pytest.mark.parametrize('name', list(L.POLICY_LOSSES))
 @pytest.mark.parametrize('jit', [False, True])
-def test_policy_loss_by_name_is_the_direct_call(name, jit):
+def test_a_policy_loss_call_is_the_direct_call(name, jit):
   logp, old, adv, mask, *_ = _batch()
-  kwargs = {k: LOSS_ARGS[k] for k in L.POLICY_LOSS_ARGS[name] if LOSS_ARGS[k] is not None}
-  by_name = lambda lp: L.policy_loss_by_name(name, lp, old, adv, mask, LOSS_ARGS)
-  direct = lambda lp: L.POLICY_LOSSES[name](lp, old, adv, mask, **kwargs)
+  loss = L.PolicyLoss.make(name, _loss_args(name))
+  typed = lambda lp: loss(lp, old, adv, mask)
+  direct = lambda lp: L.POLICY_LOSSES[name](lp, old, adv, mask, **_loss_args(name))
   if jit:
-    by_name, direct = jax.jit(by_name), jax.jit(direct)
-  _same(by_name(logp), direct(logp))
+    typed, direct = jax.jit(typed), jax.jit(direct)
+  _same(typed(logp), direct(logp))
 
 
-def test_none_leaves_the_default_and_unlisted_arguments_are_not_passed():
+def test_none_leaves_the_default():
   logp, old, adv, mask, *_ = _batch(1)
   logp = logp.at[0, 0].add(40.0)  # beyond SAPO's default clamp of 20
-  sapo = L.policy_loss_by_name('sapo', logp, old, adv, mask, {'log_ratio_clamp': None})
+  sapo = L.PolicyLoss.make('sapo', {'log_ratio_clamp': None})(logp, old, adv, mask)
   _same(sapo, L.sapo_loss(logp, old, adv, mask, log_ratio_clamp=20.0))
-  # CISPO takes ε_high only: its lower bound stays off whatever eps_low is.
-  cispo = L.policy_loss_by_name('cispo', logp, old, adv, mask, {'eps_low': 0.01, 'eps_high': 0.3})
-  _same(cispo, L.cispo_loss(logp, old, adv, mask, eps_low=None, eps_high=0.3))
 
 
 def _direct_advantages(name, rewards, mask, kl):
@@ -168,25 +223,24 @@ def _direct_advantages(name, rewards, mask, kl):
 
 @pytest.mark.parametrize('name', list(L.ADVANTAGE_ESTIMATORS))
 @pytest.mark.parametrize('jit', [False, True])
-def test_token_advantages_by_name_is_the_direct_call(name, jit):
+def test_an_advantage_call_is_the_direct_call(name, jit):
   *_, mask, rewards, kl = _batch(2)
-  by_name = lambda r, m, k: L.token_advantages_by_name(name, r, m, G, ADV_ARGS, kl=k)
+  estimator = L.Advantage.make(name, _adv_args(name))
+  typed = lambda r, m, k: estimator(r, m, G, kl=k)
   direct = lambda r, m, k: _direct_advantages(name, r, m, k)
   if jit:
-    by_name, direct = jax.jit(by_name), jax.jit(direct)
-  adv = by_name(rewards, mask, kl)
+    typed, direct = jax.jit(typed), jax.jit(direct)
+  adv = typed(rewards, mask, kl)
   _same(adv, direct(rewards, mask, kl))
   assert adv.shape == (B, T) and np.all(np.asarray(adv)[np.asarray(mask) == 0] == 0.0)
 
 
-def test_outcome_advantages_by_name_takes_every_listed_argument():
+def test_outcome_takes_every_argument():
   rewards = jnp.asarray([1.0, 0.0, 0.0, 0.0], jnp.float32)
   args = {'scale': 'none', 'std': 'biased', 'eps': 0.0, 'singleton': 'raw'}
-  _same(
-    L.outcome_advantages_by_name('grpo', rewards, 1, args),
-    L.grpo_advantages(rewards, 1, scale='none', singleton='raw'),
-  )
-  np.testing.assert_array_equal(L.outcome_advantages_by_name('grpo', rewards, 1, args), rewards)
+  got = L.Advantage.make('grpo', args).outcome(rewards, 1)
+  _same(got, L.grpo_advantages(rewards, 1, scale='none', std='biased', eps=0.0, singleton='raw'))
+  np.testing.assert_array_equal(got, rewards)
 
 
 @pytest.mark.parametrize('mode', L.AGGREGATION_MODES)
@@ -203,19 +257,16 @@ def test_aggregate_loss_norm_rule(mode):
 
 
 @pytest.mark.parametrize('name', list(L.ADVANTAGE_ESTIMATORS))
-def test_token_advantages_by_name_leaves_invalid_rows_out(name):
+def test_an_advantage_leaves_invalid_rows_out(name):
   """Rows 1 and 6 (one of each group) left out: 0 on their tokens, and on the
   others what the batch without those rows gives (groups of G − 1)."""
   *_, mask, rewards, kl = _batch(4)
   valid = np.ones(B, bool)
   valid[[1, 6]] = False
   nan = jnp.where(jnp.asarray(valid), rewards, jnp.nan)  # a left-out reward is never read
-  got = jax.jit(
-    lambda r, m, k, v: L.token_advantages_by_name(name, r, m, G, ADV_ARGS, kl=k, valid=v)
-  )(nan, mask, kl, valid)
-  without = L.token_advantages_by_name(
-    name, rewards[valid], mask[valid], G - 1, ADV_ARGS, kl=kl[valid]
-  )
+  estimator = L.Advantage.make(name, _adv_args(name))
+  got = jax.jit(lambda r, m, k, v: estimator(r, m, G, kl=k, valid=v))(nan, mask, kl, valid)
+  without = estimator(rewards[valid], mask[valid], G - 1, kl=kl[valid])
   np.testing.assert_array_equal(np.asarray(got)[~valid], 0.0)
   np.testing.assert_allclose(np.asarray(got)[valid], without, rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(without)).sum() > 0

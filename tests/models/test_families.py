@@ -42,6 +42,7 @@ from jrl.models.config import LinearRopeScaling
 from jrl.sampler import EngineConfig, Request, Sampler
 from jrl.sampler import attention as paged
 from jrl.trainers import common, policy_step
+from tests.helpers import step_config
 from tests.sampler import margins
 
 transformers.utils.logging.disable_progress_bar()
@@ -560,11 +561,11 @@ def test_grpo_step_sharded_equals_single_device(loaded, name):
   ckpt = loaded[name]
   tx = optax.sgd(1e-2)
   schedule = optax.constant_schedule(1e-2)
-  cfg = policy_step.PolicyLossConfig(policy_loss='ppo', kl_coef=0.0, chunk_size=16)
+  cfg = step_config(policy_loss='ppo', kl_coef=0.0, chunk_size=16)
   batch = _policy_batch(ckpt.config.vocab_size)
   step = jax.jit(
     functools.partial(
-      policy_step.train_step, graphdef=ckpt.graphdef, tx=tx, schedule=schedule, policy_config=cfg
+      policy_step.train_step, graphdef=ckpt.graphdef, tx=tx, schedule=schedule, step_config=cfg
     )
   )
   single_state, single = step(common.init_state(ckpt.params, tx), batch)

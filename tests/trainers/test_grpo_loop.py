@@ -50,6 +50,7 @@ from tests.helpers import (
   records,
   restore,
   shrunk_config,
+  step_config,
 )
 
 RL_METRICS = (
@@ -587,9 +588,9 @@ def test_train_step_does_not_materialise_full_logits():
   state = common.init_state(params, tx)
 
   def temp_bytes(t, chunk_size):
-    cfg = policy_step.PolicyLossConfig(chunk_size=chunk_size, kl_coef=0.1, entropy_coef=0.01)
+    cfg = step_config(chunk_size=chunk_size, kl_coef=0.1, entropy_coef=0.01)
     step = functools.partial(
-      policy_step.train_step, graphdef=graphdef, tx=tx, schedule=schedule, policy_config=cfg
+      policy_step.train_step, graphdef=graphdef, tx=tx, schedule=schedule, step_config=cfg
     )
     f32 = jax.ShapeDtypeStruct((rows, t), jnp.float32)
     flags = jax.ShapeDtypeStruct((rows, t), jnp.bool_)
@@ -726,9 +727,9 @@ def _numpy_advantages(estimator, lengths):
 def test_advantages_per_token_and_zero_outside_the_loss_mask(estimator):
   batch = common.pack_sequences(PROMPTS, RESPONSES, 8)
   loss_mask = batch.loss_mask
-  cfg = policy_step.AdvantageConfig(estimator=estimator)
+  estimator_ = L.Advantage(estimator)
   adv = np.asarray(
-    jax.jit(functools.partial(policy_step.advantages, group_size=G, adv_config=cfg))(
+    jax.jit(functools.partial(policy_step.advantages, group_size=G, estimator=estimator_))(
       jnp.asarray(REWARDS, jnp.float32), jnp.asarray(loss_mask)
     )
   )
@@ -741,10 +742,10 @@ def test_advantages_per_token_and_zero_outside_the_loss_mask(estimator):
 
 
 def test_advantages_unknown_estimator_names_the_field():
-  mask = jnp.ones((4, 3), bool)
-  cfg = policy_step.AdvantageConfig(estimator='vtrace')
-  with pytest.raises(ValueError, match=re.escape('`rl.advantage`')):
-    policy_step.advantages(jnp.zeros(4), mask, 2, cfg)
+  rl = shrunk_config('/tmp/unused', {}).rl
+  rl.advantage = 'vtrace'
+  with pytest.raises(ValueError, match=re.escape('`rl.advantage` must be one of')):
+    policy_step.objective_of(rl)
 
 
 # Exact resume, in subprocesses ----------------------------------------------------------
@@ -944,15 +945,18 @@ def test_trl_objectives_reach_the_loss_from_config(overrides, expected):
   """The TRL-style objectives and their settings go from `rl.*` to the loss:
   the chosen loss's `rl.loss.<name>` section, under the kernel's own argument
   names, with the kernel's defaults for the others."""
-  cfg = policy_step.loss_config(shrunk_config('/tmp/unused', overrides).rl)
-  args = dict(cfg.loss_args)
+  objective = policy_step.objective_of(shrunk_config('/tmp/unused', overrides).rl)
+  policy = objective.policy
   for key, value in overrides.items():
-    if key.startswith('rl.loss.'):
-      continue
-    assert getattr(cfg, key.split('.', 1)[1]) == value
+    if key == 'rl.policy_loss':
+      assert policy.name == value
+    elif not key.startswith('rl.loss.'):
+      assert getattr(objective, key.split('.', 1)[1]) == value
+  defaults = L.default_args(L.POLICY_LOSSES, L.POLICY_LOSS_ARGS)[policy.name]
+  assert set(policy.kwargs) <= set(defaults), policy
+  called_with = {**defaults, **policy.kwargs}  # what the kernel computes with
   for key, value in expected.items():
-    assert args[key] == value
-  assert set(args) == set(L.POLICY_LOSS_ARGS[cfg.policy_loss]), args
+    assert called_with[key] == value
 
 
 def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):

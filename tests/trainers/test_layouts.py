@@ -13,7 +13,7 @@ import pytest
 from jrl import models
 from jrl.data import layouts
 from jrl.trainers import common, policy_step, ppo
-from tests.helpers import jit_critic_values, jit_token_logprobs
+from tests.helpers import jit_critic_values, jit_token_logprobs, step_config
 
 TINY = models.ModelConfig(
   vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -145,7 +145,7 @@ def test_policy_loss_and_gradients_equal_the_padded_minibatch(model, name, kind,
     near(),
     jnp.asarray(adv, jnp.float32),
   )
-  cfg = policy_step.PolicyLossConfig(**LOSSES[name])
+  cfg = step_config(**LOSSES[name])
   grad = jax.jit(jax.value_and_grad(policy_step.policy_loss, has_aux=True), static_argnums=(1, 3))
   (loss, metrics), grads = grad(params, graphdef, batch, cfg)
   parts = parts_of(kind, budget, tokens, mask, loss_mask)

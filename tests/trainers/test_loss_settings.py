@@ -44,9 +44,10 @@ def test_every_setting_is_a_kernel_argument_with_the_kernels_default(tmp_path):
 
 def test_a_setting_of_another_loss_does_not_reach_the_chosen_one(tmp_path):
   config = shrunk_config(tmp_path, {'rl.policy_loss': 'ppo', 'rl.loss.gspo.eps_low': 0.1})
-  assert dict(policy_step.loss_config(config.rl).loss_args)['eps_low'] == 0.2
+  assert policy_step.objective_of(config.rl).policy == L.PolicyLoss('ppo')  # eps_low 0.2
   config = shrunk_config(tmp_path, {'rl.policy_loss': 'gspo', 'rl.loss.gspo.eps_low': 0.1})
-  assert dict(policy_step.loss_config(config.rl).loss_args) == {'eps_low': 0.1, 'eps_high': 4e-4}
+  gspo = policy_step.objective_of(config.rl).policy
+  assert gspo == L.PolicyLoss('gspo', (('eps_low', 0.1),))  # eps_high: the kernel's 4e-4
 
 
 @pytest.mark.parametrize(
@@ -54,13 +55,26 @@ def test_a_setting_of_another_loss_does_not_reach_the_chosen_one(tmp_path):
   [
     ('rl.adv.grpo.scale', 'groups', "must be one of ('group', 'batch', 'none')"),
     ('rl.adv.grpo.singleton', 'drop', "must be one of ('zero', 'raw', 'error')"),
-    ('rl.loss.cispo.eps_high', -0.1, 'must be >= 0'),
-    ('rl.loss.vespo.lambda_neg', float('nan'), 'must be >= 0'),
+    ('rl.loss.cispo.eps_high', -0.1, 'must be > 0'),
+    ('rl.loss.vespo.lambda_neg', float('nan'), 'must be > 0'),
+    ('rl.loss.ppo.eps_low', 1.0, 'must be < 1'),
+    ('rl.loss.icepop.low', 6.0, '(5.0) must be > `rl.loss.icepop.low` (6.0)'),
+    ('rl.adv.reinforce_pp.gamma', 1.01, 'must be in [0, 1]'),
   ],
 )
 def test_a_bad_setting_is_refused_by_name(tmp_path, field, value, message):
-  config = shrunk_config(tmp_path, {field: value})
-  with pytest.raises(ValueError, match=rf'^`{re.escape(field)}`:? {re.escape(message)}'):
+  """Each kernel's own checks, run once when the config is validated: the
+  message names the field whichever section it is in, chosen or not."""
+  config = shrunk_config(tmp_path)
+  config.unlock()  # a str or NaN where a number was: what `ignore_type` overrides carry
+  section = config.rl
+  *path, key = field.split('.')[1:]
+  for part in path:
+    section = section[part]
+  section[key] = value
+  if field.startswith('rl.loss.icepop'):
+    field = 'rl.loss.icepop.high'
+  with pytest.raises(ValueError, match=rf'^`{re.escape(field)}` {re.escape(message)}'):
     trainers.validate(config, 1)
 
 
@@ -68,7 +82,7 @@ def test_a_setting_no_kernel_takes_is_refused_by_name(tmp_path):
   config = shrunk_config(tmp_path)
   config.unlock()
   config.rl.loss.sapo.eps_low = 0.2  # an argument of ppo, not of sapo
-  with pytest.raises(ValueError, match=r'^`rl\.loss\.sapo\.eps_low`: is not one of'):
+  with pytest.raises(ValueError, match=r'^`rl\.loss\.sapo\.eps_low` is not an argument of'):
     trainers.validate(config, 1)
 
 
@@ -92,10 +106,10 @@ def test_a_seeded_config_trains_the_presets_grpo(tmp_path, name):
   config = config_common.seed_preset(shrunk_config(tmp_path), name)
   set_fields(config, {'rl.group_size': G})
   trainers.validate(config, 1)
-  cfg = policy_step.loss_config(config.rl)
-  adv_cfg = policy_step.advantage_config(config.rl)
+  cfg = policy_step.step_config(config.rl)
+  assert cfg.objective == L.PRESETS[name]  # the same value, from the config
   logp, old_logp, ref_logp, rewards, mask = _inputs(sorted(L.PRESETS).index(name))
-  adv = policy_step.advantages(rewards, mask, G, adv_cfg)
+  adv = policy_step.advantages(rewards, mask, G, cfg.objective.advantage)
 
   def trainer(logp):
     batch = policy_step.PolicyBatch(
@@ -137,8 +151,8 @@ def test_a_bound_is_set_and_turned_off_on_the_command_line(monkeypatch):
   flag_values(argv)
   rl = flag_values.config.rl
   assert grpo_qwen.get_config().rl.loss.ppo.dual_clip_c == 3.0
-  cfg, adv = policy_step.loss_config(rl), policy_step.advantage_config(rl)
-  assert dict(cfg.loss_args)['dual_clip_c'] is None
-  assert dict(cfg.loss_args)['log_ratio_clamp'] == 20.0  # the rest of the preset stays
-  assert cfg.kl_output_clamp == 5 and rl.loss.sapo.tau_neg == 1.2
-  assert dict(adv.args)['scale'] == 'batch'
+  objective = policy_step.objective_of(rl)
+  assert 'dual_clip_c' not in objective.policy.kwargs  # None: the kernel's default, off
+  assert objective.policy.kwargs['log_ratio_clamp'] == 20.0  # the rest of the preset stays
+  assert objective.kl_output_clamp == 5 and rl.loss.sapo.tau_neg == 1.2
+  assert objective.advantage.kwargs['scale'] == 'batch'

@@ -17,7 +17,7 @@ import pytest
 from jrl import losses as L
 from jrl import trainers
 from jrl.trainers import policy_step
-from tests.helpers import shrunk_config
+from tests.helpers import shrunk_config, step_config
 
 ASYNC = {'topology.kind': 'async', 'topology.max_staleness': 2}
 ONE_STEP_OFF = {'topology.kind': 'one_step_off', 'topology.staleness': 1}
@@ -71,12 +71,13 @@ def test_an_unbounded_loss_runs_where_it_is_allowed_or_fresh(tmp_path, fields):
     ('rl.loss.gmpo.eps_low', 0.0, 'must be > 0'),
     ('rl.loss.dppo.delta_high', -0.1, 'must be >= 0'),
     ('rl.loss.kpop.threshold', 0.0, 'must be > 0'),
-    ('rl.loss.icepop.low', 5.0, 'must be below rl.loss.icepop.high (5.0)'),
+    ('rl.loss.icepop.low', 5.0, '(5.0) must be > `rl.loss.icepop.low` (5.0)'),
   ],
 )
 def test_a_bad_setting_is_refused_by_name(tmp_path, field, value, message):
   config = shrunk_config(tmp_path, {field: value})
-  with pytest.raises(ValueError, match=rf'^`{re.escape(field)}`:? {re.escape(message)}'):
+  named = 'rl.loss.icepop.high' if field == 'rl.loss.icepop.low' else field
+  with pytest.raises(ValueError, match=rf'^`{re.escape(named)}` {re.escape(message)}'):
     trainers.validate(config, 1)
 
 
@@ -100,7 +101,7 @@ def test_rows_valid_leaves_out_are_in_no_term(loss):
   batch without row 2, and row 2 gets no gradient."""
   logp, old, adv, mask = _batch(0)
   agg = 'seq-mean-token-mean' if loss == 'gmpo' else 'token-mean'
-  cfg = policy_step.PolicyLossConfig(policy_loss=loss, loss_agg=agg, loss_args=())
+  cfg = step_config(policy_loss=loss, loss_agg=agg, loss_args=None)
 
   def objective(logp, old, adv, mask, valid=None):
     batch = policy_step.PolicyBatch(

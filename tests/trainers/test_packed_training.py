@@ -24,7 +24,13 @@ from configs import dpo_arith
 from jrl import models, trainers
 from jrl.data import packing
 from jrl.trainers import common, dpo, policy_step, ppo, reward_model, sft
-from tests.helpers import jit_critic_values, jit_token_logprobs, set_fields, shrunk_config
+from tests.helpers import (
+  jit_critic_values,
+  jit_token_logprobs,
+  set_fields,
+  shrunk_config,
+  step_config,
+)
 
 TINY = models.ModelConfig(
   vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -159,7 +165,7 @@ def test_policy_loss_and_gradients_are_the_same_packed_and_padded(model, name):
     ref_logp=ref_logp,
     advantages=adv,
   )
-  cfg = policy_step.PolicyLossConfig(**LOSSES[name])
+  cfg = step_config(**LOSSES[name])
   grad = jax.jit(jax.value_and_grad(policy_step.policy_loss, has_aux=True), static_argnums=(1, 3))
   (loss, metrics), grads = grad(params, graphdef, batch, cfg)
   packed = batch._replace(packed=device_packed(tokens, mask, 24))
@@ -304,7 +310,7 @@ def test_environment_tokens_inside_a_response_pack_and_split_like_the_padded_row
     ref_logp=f32(0.0),
     advantages=f32(rng.normal(0.0, 1.0, (len(lengths), 1))),
   )
-  cfg = policy_step.PolicyLossConfig(policy_loss=loss, loss_agg='seq-mean-token-mean')
+  cfg = step_config(policy_loss=loss, loss_agg='seq-mean-token-mean')
   grad = jax.jit(jax.value_and_grad(policy_step.policy_loss, has_aux=True), static_argnums=(1, 3))
   (want, _), grads = grad(params, graphdef, batch, cfg)
   (packed, _), grads_p = grad(

@@ -62,7 +62,7 @@ def test_the_router_loss_is_added_with_its_coefficient_and_trains_the_router():
   *_, aux = models.next_token_logprobs(graphdef, params, tokens, mask, with_router_loss=True)
   assert float(aux) > 0
   grad = jax.jit(jax.value_and_grad(policy_step.policy_loss, has_aux=True), static_argnums=(1, 3))
-  off = policy_step.PolicyLossConfig()
+  off = policy_step.StepConfig()
   on = off._replace(router_aux_coef=0.5)
   (loss_off, m_off), g_off = grad(params, graphdef, batch, off)
   (loss_on, m_on), g_on = grad(params, graphdef, batch, on)
@@ -88,4 +88,4 @@ def test_a_negative_router_coefficient_is_named(tmp_path):
   config = shrunk_config(tmp_path, {'rl.router_aux_coef': -1.0})
   with pytest.raises(ValueError, match=r'rl\.router_aux_coef'):
     trainers.validate(config, 1)
-  assert policy_step.loss_config(shrunk_config(tmp_path).rl).router_aux_coef == 0.0
+  assert policy_step.step_config(shrunk_config(tmp_path).rl).router_aux_coef == 0.0

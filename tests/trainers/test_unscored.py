@@ -18,7 +18,7 @@ from jrl import losses as L
 from jrl import models, parallel, rewards, trainers
 from jrl.rewards.base import ScoredBatch, scored_rows
 from jrl.trainers import common, online, policy_step, ppo, rollout
-from tests.helpers import QUIET, jit_token_logprobs, records, shrunk_config
+from tests.helpers import QUIET, jit_token_logprobs, records, shrunk_config, step_config
 from tests.trainers.test_layouts import TINY, group_batch, parts_of
 
 LEFT_OUT = (1, 6, 11)  # one completion of each of the three groups of four
@@ -98,7 +98,7 @@ def test_a_left_out_row_is_in_no_term_of_the_policy_loss(model, name):
   modes divide by the rows kept) and the terms (KL, entropy, masks)."""
   graphdef, params = model
   batch = _policy_batch(graphdef, params, seed=2)
-  cfg = policy_step.PolicyLossConfig(**LOSSES[name])
+  cfg = step_config(**LOSSES[name])
   valid = jnp.asarray(_valid(batch.tokens.shape[0]))
   (loss, metrics), grads = _loss_and_grad(params, graphdef, batch._replace(valid=valid), cfg)
   (want, want_metrics), want_grads = _loss_and_grad(params, graphdef, _rows_dropped(batch), cfg)
@@ -118,7 +118,7 @@ def test_a_left_out_row_in_micro_batches_of_a_layout(model, kind, budget):
   the batch without the rows."""
   graphdef, params = model
   batch = _policy_batch(graphdef, params, seed=3)
-  cfg = policy_step.PolicyLossConfig(loss_agg='seq-mean-token-mean', kl_coef=0.1)
+  cfg = step_config(loss_agg='seq-mean-token-mean', kl_coef=0.1)
   batch = batch._replace(valid=jnp.asarray(_valid(batch.tokens.shape[0])))
   parts = parts_of(kind, budget, *(np.asarray(x) for x in batch[:3]))
   assert len(parts) > 1
@@ -151,7 +151,7 @@ def test_ppo_leaves_a_left_out_row_out_of_the_policy_and_the_value_loss(model):
       batch,
       graphdef=graphdef,
       critic_graphdef=critic_graphdef,
-      policy_config=policy_step.PolicyLossConfig(loss_agg='seq-mean-token-mean'),
+      step_config=step_config(loss_agg='seq-mean-token-mean'),
       value_clip=0.2,
     )
   )
@@ -174,7 +174,7 @@ def test_the_trainers_advantages_of_the_other_rows_are_those_without_the_left_ou
   rewards_b = np.random.default_rng(7).uniform(size=tokens.shape[0]).round(1).astype(np.float32)
   for estimator in L.ADVANTAGE_ESTIMATORS:
     config = shrunk_config(tmp_path, {'rl.advantage': estimator})
-    cfg = policy_step.advantage_config(config.rl)
+    cfg = policy_step.objective_of(config.rl).advantage
     valid = _valid(tokens.shape[0])
     got = policy_step.advantages(rewards_b, loss_mask, 4, cfg, valid_B=valid)
     want = policy_step.advantages(_without(rewards_b), _without(loss_mask), 3, cfg)
