@@ -52,7 +52,7 @@ import numpy as np
 from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, EnvPool, TurnSampling
-from jrl.trainers import checks, common, engines, rollout
+from jrl.trainers import checks, common, engines, rollout, signals
 from jrl.trainers.evaluation.held_out import decode
 from jrl.trainers.setup import seed
 
@@ -195,7 +195,21 @@ def episode_metrics(episodes, rewards):
   return metrics
 
 
-ENV_FAILURES = ('env_error', 'env_timeout', 'env_invalid')
+def environment_unscored(episodes):
+  """The episodes their environments failed, as a `signals.Unscored` named
+  `signals.ENVIRONMENT`: the fraction of `episodes`, those that raised or
+  misbehaved ('env_error', 'env_invalid'), those that hung ('env_timeout'),
+  and the first three errors. The controller stops a run that they leave
+  mostly unscored, as it does for a reward function (`reward.max_unscored_*`)."""
+  reasons = collections.Counter(ep.reason for ep in episodes)
+  failed = sum(reasons[r] for r in ENV_FAILURES)
+  return signals.Unscored(
+    signals.ENVIRONMENT,
+    failed / max(1, len(episodes)),
+    reasons['env_error'] + reasons['env_invalid'],
+    reasons['env_timeout'],
+    tuple(ep.error for ep in episodes if ep.reason in ENV_FAILURES and ep.error)[:3],
+  )
 
 
 def turn_sampling(ep):
@@ -504,7 +518,15 @@ class EpisodeWorker:
       valid = np.ones_like(failed)
     metrics['samples/unscored'] = float(failed.sum())
     metrics['samples/left_out'] = float((~valid).sum())
-    return rollout.Rollout(batch, old_logp, rewards_np, version, metrics, valid=valid)
+    return rollout.Rollout(
+      batch,
+      old_logp,
+      rewards_np,
+      version,
+      metrics,
+      valid=valid,
+      unscored=(environment_unscored(episodes),),
+    )
 
   def evaluate(self, params, step=None):
     """Greedy held-out episodes of `params` (`step`: their policy version)."""

@@ -12,7 +12,8 @@ parameters unchanged when the loss or the gradient is not finite and
 reports it as `NONFINITE` (1.0) in its metrics; `skipped` turns one iteration's update
 metrics into the names of the models whose update did not apply. The
 rollout says what it could not score: `rollout.Rollout.unscored`, one
-`Unscored` per reward function.
+`Unscored` per reward function, and in an agent run one for the episodes
+its environments failed (`ENVIRONMENT`).
 """
 
 from typing import NamedTuple
@@ -21,12 +22,18 @@ NONFINITE = 'nonfinite'  # the update metric that is 1.0 when it skipped
 
 
 class Unscored(NamedTuple):
-  """One reward function's completions left without a score in a batch."""
+  """One reward function's completions left without a score in a batch (or,
+  named `ENVIRONMENT`, the episodes an agent run's environments failed)."""
 
   name: str  # the reward function
   frac: float  # of the batch's completions, in [0, 1]
-  failures: int  # chunks whose call raised
-  timeouts: int  # chunks that ran past the deadline
+  failures: int  # chunks whose call raised (episodes: whose environment raised or misbehaved)
+  timeouts: int  # chunks that ran past the deadline (episodes: whose environment hung)
+  errors: tuple = ()  # its first error messages, when it keeps them (environments do)
+
+
+# The name of the `Unscored` of an agent run's environments.
+ENVIRONMENT = 'environment'
 
 
 class Report(NamedTuple):
@@ -56,13 +63,17 @@ def mostly_unscored(unscored, limit, errors):
   """A description of the reward functions in `unscored` (Unscored) that
   left more than `limit` of the completions unscored, with their failure
   and timeout counts and first errors; '' if none did."""
-  bad = [
-    f'reward function {u.name!r} left {u.frac:.0%} of completions unscored '
-    f'({u.failures:g} failed and {u.timeouts:g} timed-out chunks)'
-    for u in unscored
-    if u.frac > limit
-  ]
-  if not bad:
+  over = [u for u in unscored if u.frac > limit]
+  if not over:
     return ''
+  bad = [
+    f'the environments failed {u.frac:.0%} of the episodes ({u.failures:g} raised or '
+    f'misbehaved, {u.timeouts:g} hung)'
+    if u.name == ENVIRONMENT
+    else f'reward function {u.name!r} left {u.frac:.0%} of completions unscored '
+    f'({u.failures:g} failed and {u.timeouts:g} timed-out chunks)'
+    for u in over
+  ]
+  errors = [e for u in over for e in u.errors] + list(errors)
   errors = '; '.join(errors[:3]) or 'no error recorded: it returned None or NaN'
   return ', '.join(bad) + f' (first errors: {errors})'

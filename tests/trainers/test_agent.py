@@ -323,6 +323,31 @@ def test_environments_that_raise_hang_or_return_garbage_end_only_their_trajector
   assert sum(r['samples/left_out'] for r in rl) == pytest.approx(failed * per_step)
 
 
+class Down(Flaky):
+  """An environment whose server is gone: every reset raises."""
+
+  def reset(self, example):
+    raise ConnectionError('tool server down')
+
+
+def test_environments_that_fail_most_episodes_stop_the_run(tmp_path, monkeypatch):
+  """The episodes the environments fail are the rollout's unscored share
+  (`Rollout.unscored`, `signals.ENVIRONMENT`): after
+  `reward.max_unscored_steps` iterations above `reward.max_unscored_frac`,
+  the run stops naming the environments and their first error, and keeps
+  its checkpoint, as it does for a reward function."""
+  task = episodes.ENVIRONMENTS['arith_tool'][0]
+  monkeypatch.setitem(episodes.ENVIRONMENTS, 'arith_tool', (task, Down))
+  config = agent_config(tmp_path, {'rl.steps': 4, 'reward.max_unscored_steps': 2, 'sft.steps': 0})
+  with pytest.raises(RuntimeError) as info:
+    trainers.run(config)
+  message = str(info.value)
+  assert 'the environments failed 100% of the episodes' in message, message
+  assert 'ConnectionError: tool server down' in message, message
+  rl = [r for r in read_jsonl(f'{tmp_path}/metrics.jsonl') if r.get('phase') == 1.0]
+  assert len(rl) == 2 and all(r['env/finish/env_error'] == 1.0 for r in rl)
+
+
 def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
   config = agent_config(tmp_path, {'agent.sft_tool_frac': 0.9, 'rl.steps': 1, 'sft.steps': 6})
   config.unlock()
