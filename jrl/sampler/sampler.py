@@ -68,6 +68,43 @@ def enable_compilation_cache(directory):
   return directory
 
 
+def _checked(model_config, engine_config, steps_per_dispatch, mesh, replicas, prefill_chunk):
+  """`engine_config` after the Sampler's argument checks (a ValueError names
+  the argument), with the gather attention on a mesh of several devices."""
+  engine_config.validate()
+  if steps_per_dispatch < 1:
+    raise ValueError(f'`steps_per_dispatch` must be >= 1, got {steps_per_dispatch}.')
+  if not isinstance(replicas, int) or replicas < 1 or engine_config.num_slots % replicas:
+    raise ValueError(
+      f'`replicas` must be a positive divisor of `num_slots`={engine_config.num_slots}, '
+      f'got {replicas!r}.'
+    )
+  if replicas > 1 and model_config.num_experts and model_config.moe_impl == 'ragged':
+    # The replica axis is a vmap, and jax.lax.ragged_dot has no batching rule.
+    raise ValueError(
+      "`replicas` > 1 needs `moe_impl='dense'` on MoE models (ragged_dot cannot be vmapped)."
+    )
+  if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+    raise ValueError(f'`prefill_chunk` must be a positive int, got {prefill_chunk!r}.')
+  if mesh is not None and mesh.size > 1 and engine_config.attention_impl == 'auto':
+    # jax.jit does not partition a Pallas kernel (it would run on gathered
+    # operands), so a sampler spread over several devices takes the gather path.
+    engine_config = engine_config._replace(attention_impl='gather')
+  return engine_config
+
+
+def _prefill_buckets(max_prompt_len, buckets, chunk):
+  """The prompt lengths that compile: `buckets` (default powers of two),
+  which must reach `max_prompt_len`; with a prefill `chunk`, one bucket
+  (the chunk count is traced, so one program serves every length)."""
+  buckets = tuple(buckets or default_buckets(max_prompt_len))
+  if max(buckets) < max_prompt_len:
+    raise ValueError(f'`prefill_buckets` {buckets} must reach `max_prompt_len` {max_prompt_len}.')
+  if chunk is not None:
+    return (-(-max_prompt_len // chunk) * chunk,)
+  return buckets
+
+
 class Sampler:
   """Paged, continuously batched sampling on explicit parameters.
 
@@ -112,38 +149,14 @@ class Sampler:
     max_prefill_batch=None,
     compaction=True,
   ):
-    engine_config.validate()
-    if steps_per_dispatch < 1:
-      raise ValueError(f'`steps_per_dispatch` must be >= 1, got {steps_per_dispatch}.')
-    if not isinstance(replicas, int) or replicas < 1 or engine_config.num_slots % replicas:
-      raise ValueError(
-        f'`replicas` must be a positive divisor of `num_slots`={engine_config.num_slots}, '
-        f'got {replicas!r}.'
-      )
-    if replicas > 1 and model_config.num_experts and model_config.moe_impl == 'ragged':
-      # The replica axis is a vmap, and jax.lax.ragged_dot has no batching rule.
-      raise ValueError(
-        "`replicas` > 1 needs `moe_impl='dense'` on MoE models (ragged_dot cannot be vmapped)."
-      )
-    if mesh is not None and mesh.size > 1 and engine_config.attention_impl == 'auto':
-      # jax.jit does not partition a Pallas kernel (it would run on gathered
-      # operands), so a sampler spread over several devices takes the gather path.
-      engine_config = engine_config._replace(attention_impl='gather')
+    engine_config = _checked(
+      model_config, engine_config, steps_per_dispatch, mesh, replicas, prefill_chunk
+    )
     self.graphdef = graphdef
     self.model_config = model_config
     self.cfg = engine_config
     self.steps_per_dispatch = steps_per_dispatch
-    self.buckets = tuple(prefill_buckets or default_buckets(engine_config.max_prompt_len))
-    if max(self.buckets) < engine_config.max_prompt_len:
-      raise ValueError(
-        f'`prefill_buckets` {self.buckets} must reach `max_prompt_len` '
-        f'{engine_config.max_prompt_len}.'
-      )
-    if prefill_chunk is not None:
-      if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f'`prefill_chunk` must be a positive int, got {prefill_chunk!r}.')
-      # One bucket: the chunk count is traced, so one program serves every length.
-      self.buckets = (-(-engine_config.max_prompt_len // prefill_chunk) * prefill_chunk,)
+    self.buckets = _prefill_buckets(engine_config.max_prompt_len, prefill_buckets, prefill_chunk)
     self.prefill_chunk = prefill_chunk
     self.replicas = replicas
     self.slots_per_replica = engine_config.num_slots // replicas
@@ -156,13 +169,16 @@ class Sampler:
     self.version = None  # the policy version `load_weights` was given last
     self.released = False  # between `release` and `resume`: `generate` is refused
     self._shardings = state_shardings(mesh, replicas, model_config)
-    cfg = engine_config
-    rcfg = cfg._replace(num_slots=self.slots_per_replica)  # one replica's engine
-    self._rcfg = rcfg
-    # The driver's steps: every state array has a leading [R] replica axis.
-    out = {} if self._shardings is None else {'out_shardings': self._shardings}
-    chunk = prefill_chunk
+    self._rcfg = engine_config._replace(num_slots=self.slots_per_replica)  # one replica's
+    self._jit_steps()
 
+  def _jit_steps(self):
+    """The driver's jitted steps (`_admit`, `_generate`, `_generate_slots`,
+    `_free`, `_resume`, `_refresh`, `_init`): the engine's steps over the
+    leading [R] replica axis of every state array, each donating the state
+    it replaces and placing its result by `state_shardings`."""
+    graphdef, rcfg, chunk = self.graphdef, self._rcfg, self.prefill_chunk
+    out = {} if self._shardings is None else {'out_shardings': self._shardings}
     per_replica = self._per_replica
 
     def admit(params, state, tokens, lengths, slots, request, valid, num_chunks, truncate):
@@ -199,6 +215,9 @@ class Sampler:
       )
       return per_replica(step)(state, index)
 
+    def refresh(params, state, tokens):
+      return per_replica(lambda st, t: refresh_kv(graphdef, params, st, t, rcfg))(state, tokens)
+
     self._admit = jax.jit(admit, static_argnames=('truncate',), donate_argnums=(1,), **out)
     static = ('num_steps', 'max_pages', 'truncate', 'until_live')
     self._generate = jax.jit(generate, static_argnames=static, donate_argnums=(1,), **out)
@@ -207,10 +226,6 @@ class Sampler:
     )
     self._free = jax.jit(per_replica(engine.free), donate_argnums=(0,), **out)
     self._resume = jax.jit(per_replica(engine.resume), donate_argnums=(0,), **out)
-
-    def refresh(params, state, tokens):
-      return per_replica(lambda st, t: refresh_kv(graphdef, params, st, t, rcfg))(state, tokens)
-
     self._refresh = jax.jit(refresh, donate_argnums=(1,), **out)
     self._init = jax.jit(self._init_replicas, **out)
 
