@@ -222,18 +222,23 @@ def plan(config, device, whole, row, measure, bound, path=''):
   keeps the config's settings.
 
   With a `path` (the run's memory_plan.json) a single-process run that
-  restarts with the same candidates keeps the choice its start made, so
-  that a resumed run computes what the uninterrupted one would have; the
-  choice is written there otherwise."""
+  restarts with the same candidates for the same step (its minibatch's
+  `whole` tokens in rows of `row`, and `bound`, which also counts the model
+  and `train.chunk_size`) keeps the choice its start made, so that a
+  resumed run computes what the uninterrupted one would have; the choice is
+  written there otherwise. A restart whose step changed (a longer
+  `task.max_prompt_len`, another minibatch) plans again. A file written
+  before the step was recorded is matched on its candidates alone."""
   train, remat = config.train, config.model.remat
   options = candidates(remat, train.micro_batch_tokens, whole, row, device.platform)
   if train.memory_plan != 'auto':
     return fixed(remat, train.micro_batch_tokens)
   key = [list(o) for o in options]
+  step = {'whole': int(whole), 'row': int(row), 'bound': int(bound)}
   if path and jax.process_count() == 1 and os.path.exists(path):
     with open(path, encoding='utf-8') as f:
       saved = json.load(f)
-    if saved.get('options') == key:
+    if saved.get('options') == key and saved.get('step', step) == step:
       kept = Plan(**{**saved['plan'], 'measured': tuple(map(tuple, saved['plan']['measured']))})
       return kept._replace(reason=f'as the run chose at its start ({path}): {kept.reason}')
   limit = limit_bytes(train, device)
@@ -247,7 +252,7 @@ def plan(config, device, whole, row, measure, bound, path=''):
     chosen = choose(options, measure, limit)
   if path and distributed.is_main():
     with open(path, 'w', encoding='utf-8') as f:
-      json.dump({'options': key, 'plan': chosen._asdict()}, f, indent=1)
+      json.dump({'options': key, 'step': step, 'plan': chosen._asdict()}, f, indent=1)
   return chosen
 
 

@@ -223,3 +223,37 @@ def test_the_plan_by_platform_with_measured_candidates():
     assert (got.remat, got.budget, got.need) == ('none', 0, 0) and 'not compiled' in got.reason
   got = memory_plan.plan(config, _Device('cpu', limit), 800, 100, measure, bound=4 * gib)
   assert (got.remat, got.budget) == ('full', 0) and calls == [('full', 0)]
+
+
+def test_a_restart_keeps_the_plan_of_the_same_step_and_plans_a_changed_one_again(tmp_path):
+  """The saved choice is keyed by the candidates and by the step they were
+  measured for: with a set `train.micro_batch_tokens` the candidates do not
+  depend on the minibatch, so a restart with longer prompts (more tokens per
+  row) must measure again instead of keeping a plan made for shorter rows."""
+  config = shrunk_config(tmp_path, {'train.micro_batch_tokens': 64, 'train.memory_limit_gib': 1e-9})
+  path = str(tmp_path / 'memory_plan.json')
+  device = jax.devices()[0]
+  calls = []
+
+  def measure(remat, budget):
+    calls.append((remat, budget))
+    return 10**12  # nothing fits: the first candidate is kept, after measuring them all
+
+  first = memory_plan.plan(config, device, 256, 32, measure, 10**9, path)
+  assert calls and 'nothing fits' in first.reason
+  calls.clear()
+  again = memory_plan.plan(config, device, 256, 32, measure, 10**9, path)
+  assert not calls and 'as the run chose at its start' in again.reason
+  longer = memory_plan.plan(config, device, 512, 64, measure, 2 * 10**9, path)
+  assert calls and 'as the run chose' not in longer.reason
+  with open(path, encoding='utf-8') as f:
+    assert json.load(f)['step'] == {'whole': 512, 'row': 64, 'bound': 2 * 10**9}
+  # A file from before the step was recorded: matched on its candidates alone.
+  with open(path, encoding='utf-8') as f:
+    saved = json.load(f)
+  del saved['step']
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(saved, f)
+  calls.clear()
+  kept = memory_plan.plan(config, device, 128, 16, measure, 10**8, path)
+  assert not calls and 'as the run chose at its start' in kept.reason
