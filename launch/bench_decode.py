@@ -75,7 +75,7 @@ def main(argv=None):
     for i in range(args.prompts)
   ]
   per_group = sampler.pages_needed(args.prompt_len, args.new, args.group, args.page_size)
-  engine = sampler.EngineConfig(
+  engine = sampler.SamplerConfig(
     num_slots=s,
     num_pages=1 + per_group * args.prompts,
     page_size=args.page_size,

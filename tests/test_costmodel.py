@@ -337,14 +337,14 @@ def test_parameter_and_optimizer_bytes_match_the_real_state(overrides):
 @pytest.mark.parametrize('prompt, new, g, slots, page', [(8, 6, 8, 64, 8), (30, 17, 4, 12, 4)])
 def test_kv_pool_bytes_match_the_sampler_pool(prompt, new, g, slots, page):
   config = tiny(compute_dtype='bfloat16')
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=slots,
     num_pages=sampler.pool_pages(prompt, new, g, page, slots),
     page_size=page,
     max_prompt_len=prompt,
     max_new_tokens=new,
   )
-  state = sampler.engine.init_state(config, engine_config)
+  state = sampler.paged.init_state(config, engine_config)
   pool = sum(x.nbytes for x in state.k_pages + state.v_pages)
   workload = costmodel.Workload(
     4, g, prompt, new, new, num_slots=slots, page_size=page, compute_bytes=2
@@ -357,7 +357,7 @@ def test_simulated_schedule_matches_the_sampler():
   config = tiny()
   graphdef, params = models.create(config, jax.random.PRNGKey(1))
   prompt_len, new, g, b, slots, page, k = 5, 12, 4, 6, 8, 4, 3
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=slots,
     num_pages=1 + sampler.pages_needed(prompt_len, new, g, page) * (slots // g),
     page_size=page,

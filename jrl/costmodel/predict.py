@@ -8,7 +8,7 @@ from jrl.costmodel.workload import tokens_run
 from jrl.sampler.pages import attend_pages, pool_pages
 from jrl.sampler.requests import Request
 from jrl.sampler.scheduler import Scheduler, narrower_width
-from jrl.sampler.state import LENGTH, EngineConfig
+from jrl.sampler.state import LENGTH, SamplerConfig
 
 
 def simulate_generation(workload, lengths=None, early_exit=True):
@@ -30,7 +30,7 @@ def simulate_generation(workload, lengths=None, early_exit=True):
   lengths = list(workload.response_lengths() if lengths is None else lengths)
   g, k = w.group_size, w.steps_per_dispatch
   max_prompt = w.max_prompt_len or w.prompt_len
-  cfg = EngineConfig(
+  cfg = SamplerConfig(
     num_slots=w.num_slots,
     num_pages=pool_pages(max_prompt, w.response_max, g, w.page_size, w.num_slots),
     page_size=w.page_size,

@@ -1,10 +1,11 @@
 """jrl.sampler: a paged-attention, continuously batched sampler in JAX that
-runs on the trainer's own parameters (JetStream-style engine API)."""
+runs on the trainer's own parameters; its pure decode steps, JetStream-style,
+are in jrl.sampler.paged."""
 
-from jrl.sampler.engine import (
+from jrl.sampler.paged import (
   DecodeState,
-  EngineConfig,
   Prefix,
+  SamplerConfig,
   SlotRequest,
   admit,
   decode_step,

@@ -24,7 +24,7 @@ Four implementations (`resolve_impl` picks one by backend for 'auto'):
   path. Off a GPU it runs in Pallas interpret mode (tests).
 * 'pallas_tpu' (TPU): `jax.experimental.pallas.ops.tpu.paged_attention`,
   which computes with keys and values in bfloat16 ('auto' takes it for a
-  bfloat16 cache only) and does not zero masked values (the engine never
+  bfloat16 cache only) and does not zero masked values (the sampler never
   writes non-finite keys or values, so this is safe in the sampler).
 
 Sliding-window layers (Mistral, Gemma) gather only the pages that overlap

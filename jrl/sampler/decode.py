@@ -156,7 +156,7 @@ def generate(graphdef, params, state, cfg, num_steps, max_pages=None, truncate=N
   during these steps; attention then gathers only that many pages per slot.
   `attend_pages` computes a safe value. `until_live` (static) hands control
   back once half the rows have finished, so the driver can decode the rest
-  on fewer rows (`engine.generate_slots`).
+  on fewer rows (`paged.generate_slots`).
   """
 
   def cond(carry):

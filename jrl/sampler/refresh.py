@@ -26,7 +26,7 @@ def refresh_kv(graphdef, params, state, tokens_SxT, cfg):
     tokens_SxT: int32, each slot's sequence so far, the prompt then its
       generated tokens, padded on the right; its first `state.lengths[s]`
       tokens are the ones in the cache (the last sampled token is not yet).
-    cfg: EngineConfig (static).
+    cfg: SamplerConfig (static).
 
   Returns:
     The DecodeState with the pages rewritten; nothing else changes. Shared

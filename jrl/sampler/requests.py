@@ -1,5 +1,5 @@
 """Requests and what comes back: `Request` (one prompt and how to sample
-from it), its checks against the engine's sizes, its per-slot settings, and
+from it), its checks against the sampler's sizes, its per-slot settings, and
 `Completion`.
 
 Randomness: sample g of a request with seed s uses the key
@@ -42,12 +42,12 @@ class Request:
   """
 
   prompt: Sequence[int]  # token ids
-  max_new_tokens: int | Sequence[int]  # ≤ EngineConfig.max_new_tokens; or one per sample
+  max_new_tokens: int | Sequence[int]  # ≤ SamplerConfig.max_new_tokens; or one per sample
   temperature: float | Sequence[float] = 1.0  # 0: greedy; or one per sample
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1: off
   greedy: bool = False
-  stop_tokens: Sequence[int] = ()  # ≤ EngineConfig.max_stop_tokens ids
+  stop_tokens: Sequence[int] = ()  # ≤ SamplerConfig.max_stop_tokens ids
   seed: int = 0
   min_new_tokens: int | Sequence[int] = 0  # stop tokens forbidden before; or one per sample
   banned_tokens: Sequence[int] = ()  # never sampled
@@ -108,7 +108,7 @@ def _sample_keys(seed, samples_G):
 
 def check_requests(requests, group_size, cfg, vocab_size, slots_per_replica, replicas):
   """Raises a ValueError naming the request and field that does not fit
-  `cfg` (an EngineConfig), the vocabulary or one replica's slots."""
+  `cfg` (an SamplerConfig), the vocabulary or one replica's slots."""
   if not isinstance(group_size, int) or group_size < 1:
     raise ValueError(f'`group_size` must be a positive int, got {group_size!r}.')
   if group_size > cfg.num_slots:
@@ -134,7 +134,7 @@ def check_requests(requests, group_size, cfg, vocab_size, slots_per_replica, rep
       if not 1 <= m <= cfg.max_new_tokens:
         raise ValueError(
           f'request {i}: `max_new_tokens`={m} must be in '
-          f'[1, {cfg.max_new_tokens}] (EngineConfig.max_new_tokens).'
+          f'[1, {cfg.max_new_tokens}] (SamplerConfig.max_new_tokens).'
         )
     for lo, hi in zip(min_new, max_new, strict=True):
       if not 0 <= lo <= hi:

@@ -1,6 +1,6 @@
 """The host-side driver: a request queue, continuous batching, GRPO groups.
 
-    sampler = Sampler(graphdef, model_config, EngineConfig(...))
+    sampler = Sampler(graphdef, model_config, SamplerConfig(...))
     groups = sampler.generate(params, requests, group_size=8)   # [B][G] Completion
 
 `params` is the trainer's parameter pytree, passed as it is (never donated
@@ -11,7 +11,7 @@ bucket length; with `prefill_chunk`, one bucket and a traced number of
 chunks), inserted into free slots, decoded `steps_per_dispatch` tokens per
 jitted call, and finished slots are freed and refilled from the queue
 between dispatches. A dispatch decodes only the occupied slots (gathered
-into a `scheduler.row_width` of rows, `engine.generate_slots`), so idle
+into a `scheduler.row_width` of rows, `paged.generate_slots`), so idle
 slots and a batch's long tail do not run through the model. The host
 bookkeeping (admission, page promises, the slots each dispatch decodes) is
 `jrl.sampler.scheduler`; requests, checks and seeds `jrl.sampler.requests`.
@@ -34,8 +34,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jrl import trace
-from jrl.sampler import engine
-from jrl.sampler.engine import EngineConfig
+from jrl.sampler import paged
+from jrl.sampler.paged import SamplerConfig
 from jrl.sampler.prefill import default_buckets
 from jrl.sampler.refresh import refresh_kv
 from jrl.sampler.requests import (
@@ -129,7 +129,7 @@ class Sampler:
       power of two up to this (capped by the groups a replica can hold), so
       a refill of a few prompts costs a few prefills.
     compaction: each dispatch decodes only the occupied slots of each
-      replica, in the `row_width` that holds them (`engine.generate_slots`);
+      replica, in the `row_width` that holds them (`paged.generate_slots`);
       False decodes every slot every step.
   """
 
@@ -139,7 +139,7 @@ class Sampler:
     self,
     graphdef,
     model_config,
-    engine_config: EngineConfig,
+    engine_config: SamplerConfig,
     *,
     steps_per_dispatch=8,
     prefill_buckets=None,
@@ -162,7 +162,7 @@ class Sampler:
     self.slots_per_replica = engine_config.num_slots // replicas
     self.max_prefill_batch = max_prefill_batch or self.slots_per_replica
     self.compaction = compaction
-    self._page_bound = engine.needs_page_bound(engine_config, model_config)
+    self._page_bound = paged.needs_page_bound(engine_config, model_config)
     self.mesh = mesh
     self.stats = SamplerStats()
     self.tracer = trace.NULL  # the controller sets its own to record prefill/decode spans
@@ -174,7 +174,7 @@ class Sampler:
 
   def _jit_steps(self):
     """The driver's jitted steps (`_admit`, `_generate`, `_generate_slots`,
-    `_free`, `_resume`, `_refresh`, `_init`): the engine's steps over the
+    `_free`, `_resume`, `_refresh`, `_init`): the paged steps over the
     leading [R] replica axis of every state array, each donating the state
     it replaces and placing its result by `state_shardings`."""
     graphdef, rcfg, chunk = self.graphdef, self._rcfg, self.prefill_chunk
@@ -182,7 +182,7 @@ class Sampler:
     per_replica = self._per_replica
 
     def admit(params, state, tokens, lengths, slots, request, valid, num_chunks, truncate):
-      step = lambda st, t, n, sl, rq, ok: engine.admit(
+      step = lambda st, t, n, sl, rq, ok: paged.admit(
         graphdef,
         params,
         st,
@@ -204,13 +204,13 @@ class Sampler:
     # replicas: each replica's loop would stop on its own count, idling it
     # while the others run.
     def generate(params, state, num_steps, max_pages, truncate, until_live=0):
-      step = lambda st: engine.generate(
+      step = lambda st: paged.generate(
         graphdef, params, st, rcfg, num_steps, max_pages, truncate, until_live
       )
       return per_replica(step)(state)
 
     def generate_slots(params, state, index, num_steps, max_pages, truncate, until_live=0):
-      step = lambda st, idx: engine.generate_slots(
+      step = lambda st, idx: paged.generate_slots(
         graphdef, params, st, idx, rcfg, num_steps, max_pages, truncate, until_live
       )
       return per_replica(step)(state, index)
@@ -224,8 +224,8 @@ class Sampler:
     self._generate_slots = jax.jit(
       generate_slots, static_argnames=static, donate_argnums=(1,), **out
     )
-    self._free = jax.jit(per_replica(engine.free), donate_argnums=(0,), **out)
-    self._resume = jax.jit(per_replica(engine.resume), donate_argnums=(0,), **out)
+    self._free = jax.jit(per_replica(paged.free), donate_argnums=(0,), **out)
+    self._resume = jax.jit(per_replica(paged.resume), donate_argnums=(0,), **out)
     self._refresh = jax.jit(refresh, donate_argnums=(1,), **out)
     self._init = jax.jit(self._init_replicas, **out)
 
@@ -244,7 +244,7 @@ class Sampler:
   # State ---------------------------------------------------------------------
 
   def _init_replicas(self):
-    one = engine.init_state(self.model_config, self._rcfg)
+    one = paged.init_state(self.model_config, self._rcfg)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape)), one)
 
   def init_state(self):
@@ -352,7 +352,7 @@ class Sampler:
         then parked with its pages and the other slots keep decoding until
         the Future is done (a sample's tokens depend on its seed and
         position, not on when it resumed). Environment tokens count towards
-        `max_new_tokens` and must fit `EngineConfig.max_forced_tokens`.
+        `max_new_tokens` and must fit `SamplerConfig.max_forced_tokens`.
       weights_at: partial rollouts. Called as `weights_at(d)` before the
         d-th decode dispatch (and its admissions); returns None to keep the
         weights, or (weights, version) to decode with those from then on,
@@ -462,7 +462,7 @@ class Sampler:
     active = len(sched.slot_owner)
     max_pages = cfg.max_pages_per_slot
     if self._page_bound:
-      max_pages = engine.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
+      max_pages = paged.attend_pages(sched.held_pages, self.steps_per_dispatch, cfg)
     decode = dict(num_steps=self.steps_per_dispatch, max_pages=max_pages, truncate=truncate)
     # Idle and finished slots cost nothing: decode the occupied ones only.
     index = sched.decode_index() if self.compaction else None
@@ -543,9 +543,9 @@ def _host(arrays):
 __all__ = [
   'Completion',
   'Continuation',
-  'EngineConfig',
   'Request',
   'Sampler',
+  'SamplerConfig',
   'SamplerStats',
   'default_buckets',
   'enable_compilation_cache',

@@ -387,7 +387,7 @@ class Scheduler:
     return continuing, done, tokens
 
   def resume_args(self, continuing):
-    """`engine.resume`'s slot mask [R, sr], forced tokens [R, sr, F], their
+    """`paged.resume`'s slot mask [R, sr], forced tokens [R, sr, F], their
     counts [R, sr], and the next turn's token limit, temperature and greedy
     flag [R, sr] for {slot: environment tokens} (`retire`'s)."""
     num_r, sr = self.num_r, self.sr
@@ -408,7 +408,7 @@ class Scheduler:
     return tuple(map(shaped, (resume_mask, forced, forced_len, max_new, temperature, greedy)))
 
   def release(self, finished):
-    """The [R, sr] mask of `engine.free` for the `finished` slots, which
+    """The [R, sr] mask of `paged.free` for the `finished` slots, which
     become idle."""
     num_r, sr = self.num_r, self.sr
     mask = np.zeros(num_r * sr, bool)

@@ -1,4 +1,4 @@
-"""The decode state: static sizes (`EngineConfig`), the pytree the decode loop
+"""The decode state: static sizes (`SamplerConfig`), the pytree the decode loop
 carries (`DecodeState`), a prefilled prompt (`Prefix`), per-slot settings
 (`SlotRequest`), an empty state (`init_state`) and its layout on a mesh
 (`state_shardings`).
@@ -23,7 +23,7 @@ RUNNING, STOP, LENGTH = 0, 1, 2
 FINISH_REASONS = {RUNNING: 'running', STOP: 'stop', LENGTH: 'length'}
 
 
-class EngineConfig(NamedTuple):
+class SamplerConfig(NamedTuple):
   """Static sizes of the decode state."""
 
   num_slots: int  # S: sequences decoded together

@@ -7,7 +7,7 @@ members, made by a factory named in config by import path
 `make_engine(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)`
 exactly as `engines.build_sampler` is (`model`: setup's Model, with its
 graphdef and config; `group_sizes`: the group sizes it will be asked for;
-`engine_overrides`: jrl EngineConfig fields a worker needs, such as room for
+`engine_overrides`: jrl SamplerConfig fields a worker needs, such as room for
 an environment's tokens, which another engine honours or refuses by name).
 
 `RolloutWorker`: what turns the policy's parameters into one batch of scored,

@@ -14,7 +14,7 @@ def eval_group_sizes(config):
 
 def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
   """A paged sampler for `model` on `mesh`, sized by `sampler.*` and `task.*`
-  (`engine_overrides`: EngineConfig fields, e.g. room for forced tokens).
+  (`engine_overrides`: SamplerConfig fields, e.g. room for forced tokens).
 
   With `sampler.num_pages` = 0 the page pool holds every slot's worst case
   for each of `group_sizes` (default: `rl.group_size`): groups share their
@@ -38,7 +38,7 @@ def build_sampler(config, model, mesh, stop_tokens, group_sizes=None, **engine_o
     )
     for g in sizes
   )
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=sampler_config.num_slots,
     num_pages=num_pages,
     page_size=sampler_config.page_size,

@@ -192,7 +192,7 @@ def run(args):
   ]
   g, page = args.group, 16
   slots = args.prompts * g
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=slots,
     num_pages=1 + args.prompts * sampler.pages_needed(args.prompt_len, args.max_new, g, page),
     page_size=page,

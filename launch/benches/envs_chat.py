@@ -197,7 +197,7 @@ def run(args):
   g, page = args.group, 16
   prompt_len = 32
   answer_len = 32
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=args.prompts * g,
     num_pages=1 + args.prompts * sampler.pages_needed(prompt_len, args.max_new, g, page),
     page_size=page,

@@ -84,7 +84,7 @@ def run(args):
     for i in range(args.prompts)
   ]
   g, page = args.group, 16
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=args.prompts * g,
     num_pages=1 + args.prompts * sampler.pages_needed(args.prompt_len, args.max_new, g, page),
     page_size=page,

@@ -279,7 +279,7 @@ def run(args):
   page = args.page_size
   args.slots = args.slots or args.prompts * g  # the whole batch in flight, as a static batch
   per_group = max(sampler.pages_needed(len(r.prompt), args.max_new, g, page) for r in requests)
-  engine_config = sampler.EngineConfig(
+  engine_config = sampler.SamplerConfig(
     num_slots=args.slots,
     num_pages=1 + per_group * max(1, args.slots // g),
     page_size=page,

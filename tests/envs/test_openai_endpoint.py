@@ -267,7 +267,7 @@ def _episodes(tok, make_env, examples, *, group, parking):
   for row, example in zip(envs, examples, strict=True):
     prompts.append(row[0].reset(example))
     assert all(env.reset(example) == prompts[-1] for env in row[1:])
-  engine = sampler.EngineConfig(
+  engine = sampler.SamplerConfig(
     num_slots=4,
     num_pages=160,
     page_size=8,

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jrl import models, parallel
 from jrl.models import hf
 from jrl.models.config import LinearRopeScaling
-from jrl.sampler import EngineConfig, Request, Sampler
+from jrl.sampler import Request, Sampler, SamplerConfig
 from jrl.sampler import attention as paged
 from jrl.trainers import common, policy_step
 from tests.helpers import step_config
@@ -503,7 +503,7 @@ def _greedy_recompute(graphdef, params, prompt, steps, vocab):
 def test_greedy_sampler_equals_full_forward_argmax(loaded, name):
   ckpt = loaded[name]
   cfg = ckpt.config
-  ecfg = EngineConfig(
+  ecfg = SamplerConfig(
     num_slots=2,
     num_pages=40,
     page_size=PAGE,

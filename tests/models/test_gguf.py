@@ -44,7 +44,7 @@ from jrl import models
 from jrl.models import gguf as jrl_gguf
 from jrl.models import hf
 from jrl.models.tokenizer import HFTokenizer
-from jrl.sampler import EngineConfig, Request, Sampler
+from jrl.sampler import Request, Sampler, SamplerConfig
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -485,7 +485,7 @@ def test_generation_stops_at_im_end(rigged):
   sampler = Sampler(
     ckpt.graphdef,
     ckpt.config,
-    EngineConfig(
+    SamplerConfig(
       num_slots=1, num_pages=8, page_size=8, max_prompt_len=16, max_new_tokens=8, max_stop_tokens=4
     ),
   )

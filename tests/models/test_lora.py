@@ -32,7 +32,7 @@ from flax import nnx
 import jrl.models as M
 from jrl import checkpoint, parallel
 from jrl.models import hf, lora, transformer
-from jrl.sampler import engine
+from jrl.sampler import paged
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -316,16 +316,16 @@ def test_sampler_prefill_runs_the_adapters_or_the_merged_weights():
   base_graphdef, base_params = _base()
   prompt = jax.random.randint(jax.random.key(5), (8,), 0, CFG.vocab_size)
   length = jnp.int32(6)
-  unmerged = engine.prefill(lgraphdef, params, prompt, length)
-  merged = engine.prefill(base_graphdef, lora.merge(config, params), prompt, length)
+  unmerged = paged.prefill(lgraphdef, params, prompt, length)
+  merged = paged.prefill(base_graphdef, lora.merge(config, params), prompt, length)
   np.testing.assert_allclose(
     np.asarray(unmerged.logits), np.asarray(merged.logits), rtol=0, atol=1e-5
   )
   # A fresh adapter gives the base model's prefill exactly.
   _, fresh_graphdef, fresh = lora.attach(base_graphdef, base_params, LORA, jax.random.key(1))
   np.testing.assert_array_equal(
-    np.asarray(engine.prefill(fresh_graphdef, fresh, prompt, length).logits),
-    np.asarray(engine.prefill(base_graphdef, base_params, prompt, length).logits),
+    np.asarray(paged.prefill(fresh_graphdef, fresh, prompt, length).logits),
+    np.asarray(paged.prefill(base_graphdef, base_params, prompt, length).logits),
   )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jrl.models as M
-from jrl.sampler import engine
+from jrl.sampler import paged
 
 CFG = M.ModelConfig(
   vocab_size=64,
@@ -180,9 +180,9 @@ def test_remat_memory_hardly_grows_with_depth():
 def test_sampler_prefill_ignores_remat_and_scan():
   _, params = M.create(CFG, KEY)
   tokens = jax.random.randint(jax.random.key(3), (8,), 0, CFG.vocab_size)
-  plain = engine.prefill(M.abstract(CFG)[0], params, tokens, jnp.int32(6))
+  plain = paged.prefill(M.abstract(CFG)[0], params, tokens, jnp.int32(6))
   graphdef = M.abstract(CFG.replace(remat='full', scan_layers=True))[0]
-  other = engine.prefill(graphdef, params, tokens, jnp.int32(6))
+  other = paged.prefill(graphdef, params, tokens, jnp.int32(6))
   np.testing.assert_array_equal(np.asarray(other.logits), np.asarray(plain.logits))
   np.testing.assert_array_equal(np.asarray(other.k), np.asarray(plain.k))
 

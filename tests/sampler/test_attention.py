@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jrl.models.attention import dot_attention
-from jrl.sampler import attention, cpu_kernel, engine
+from jrl.sampler import attention, cpu_kernel, paged
 
 
 def _dense_reference(q, k_pages, v_pages, table, lengths):
@@ -54,18 +54,18 @@ def test_gather_path_equals_dense_attention_and_ignores_garbage(heads, kv_heads)
 
 
 def test_attend_pages_bounds_growth_with_few_variants():
-  cfg = engine.EngineConfig(
+  cfg = paged.SamplerConfig(
     num_slots=2, num_pages=64, page_size=4, max_prompt_len=64, max_new_tokens=64
   )
   m = cfg.max_pages_per_slot  # ceil(127 / 4) = 32
   seen = set()
   for held in range(m + 1):
-    bound = engine.attend_pages([held, 0], 8, cfg)
+    bound = paged.attend_pages([held, 0], 8, cfg)
     # 8 steps can add at most 2 pages (3 when starting mid-page).
     assert bound >= min(held + 3, m)
     seen.add(bound)
   assert len(seen) <= 4  # powers of two: 4, 8, 16, 32
-  assert engine.attend_pages([], 8, cfg) >= 3
+  assert paged.attend_pages([], 8, cfg) >= 3
 
 
 def test_unknown_attention_impl_is_refused():

@@ -1,5 +1,5 @@
 """Multi-turn sampling: environment tokens appended on the cached pages
-(`Sampler.generate(on_turn_end=...)`, `engine.resume`).
+(`Sampler.generate(on_turn_end=...)`, `paged.resume`).
 
 The reference is the same trajectory recomputed from scratch: the prompt,
 the model's first turn and the environment's tokens prefilled as one new
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jrl.models as M
-from jrl.sampler import Continuation, EngineConfig, Request, Sampler
+from jrl.sampler import Continuation, Request, Sampler, SamplerConfig
 from tests.sampler import margins
 
 CFG = M.ModelConfig(
@@ -30,7 +30,7 @@ CFG = M.ModelConfig(
 )
 GRAPHDEF, PARAMS = M.create(CFG, jax.random.key(3))
 PAGE, MAX_PROMPT, MAX_NEW, FORCED = 4, 40, 24, 6
-ECFG = EngineConfig(
+ECFG = SamplerConfig(
   num_slots=4,
   num_pages=96,
   page_size=PAGE,

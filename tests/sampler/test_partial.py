@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jrl.models as M
-from jrl.sampler import EngineConfig, Request, Sampler
+from jrl.sampler import Request, Sampler, SamplerConfig
 from tests.sampler import margins
 from tests.sampler.test_multiturn import CFG, GRAPHDEF, PARAMS
 
@@ -29,7 +29,7 @@ PARAMS_B = jax.tree.map(
   ),
 )
 MAX_NEW = 20
-ECFG = EngineConfig(
+ECFG = SamplerConfig(
   num_slots=4, num_pages=64, page_size=4, max_prompt_len=16, max_new_tokens=MAX_NEW
 )
 PROMPTS = [[5, 9, 13, 2, 40, 41, 7], [1, 2, 3], [30, 31, 32, 33, 34, 35, 36, 37, 38], [8, 8, 9]]

@@ -27,13 +27,13 @@ from jax.sharding import PartitionSpec as P
 import jrl.models as M
 from jrl import parallel, trace
 from jrl.sampler import (
-  EngineConfig,
   Request,
   Sampler,
+  SamplerConfig,
   SamplingParams,
   baseline,
   default_buckets,
-  engine,
+  paged,
   sample,
 )
 from tests.sampler import margins
@@ -56,7 +56,7 @@ PAGE = 4
 MAX_PROMPT, MAX_NEW = 16, 12
 WIDTH = MAX_PROMPT + MAX_NEW  # the one [R, WIDTH] shape of every reference forward
 # 4 slots for 9 requests (continuous batching); 63 usable pages (never short).
-ECFG = EngineConfig(
+ECFG = SamplerConfig(
   num_slots=4, num_pages=64, page_size=PAGE, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW
 )
 STEPS = 3  # decode steps per dispatch: slots finish and refill between dispatches
@@ -539,14 +539,14 @@ def _engine_steps(ecfg=ECFG):
   """The engine's steps on one replica (no [R] axis), jitted as the driver does."""
   graphdef = _model()[0]
   generate = jax.jit(
-    functools.partial(engine.generate, graphdef, cfg=ecfg), static_argnames=('num_steps',)
+    functools.partial(paged.generate, graphdef, cfg=ecfg), static_argnames=('num_steps',)
   )
   return (
-    jax.jit(functools.partial(engine.init_state, CFG, ecfg)),
-    jax.jit(functools.partial(engine.prefill, graphdef)),
-    jax.jit(functools.partial(engine.insert, cfg=ecfg)),
+    jax.jit(functools.partial(paged.init_state, CFG, ecfg)),
+    jax.jit(functools.partial(paged.prefill, graphdef)),
+    jax.jit(functools.partial(paged.insert, cfg=ecfg)),
     generate,
-    jax.jit(engine.free),
+    jax.jit(paged.free),
   )
 
 
@@ -653,8 +653,8 @@ SMALL = ECFG._replace(num_slots=8, num_pages=17)
 
 def test_small_pool_completes_every_request():
   requests, want = _group_run()
-  assert engine.pages_needed(16, 12, 4, PAGE) == SMALL.num_pages - 1
-  demand = sum(engine.pages_needed(len(r.prompt), r.max_new_tokens, 4, PAGE) for r in requests)
+  assert paged.pages_needed(16, 12, 4, PAGE) == SMALL.num_pages - 1
+  demand = sum(paged.pages_needed(len(r.prompt), r.max_new_tokens, 4, PAGE) for r in requests)
   assert demand > 3 * (SMALL.num_pages - 1)
   sampler = _sampler(SMALL)
   got = sampler.generate(_model()[1], requests, group_size=4)
@@ -672,7 +672,7 @@ def test_request_larger_than_pool_is_refused():
   with pytest.raises(ValueError, match='num_pages'):
     sampler.generate(_model()[1], [big], group_size=5)
   # One sample needs 7 pages (4 prompt + 3 completion): 6 usable pages are too few.
-  assert engine.pages_needed(16, 12, 1, PAGE) == 7
+  assert paged.pages_needed(16, 12, 1, PAGE) == 7
   tight = Sampler(_model()[0], CFG, ECFG._replace(num_pages=7))
   with pytest.raises(ValueError, match='num_pages'):
     tight.generate(_model()[1], [Request(prompt=[1, 2], max_new_tokens=2), big])
@@ -787,7 +787,7 @@ def test_bad_engine_config_is_refused():
     with pytest.raises(ValueError, match=field):
       bad.validate()
     with pytest.raises(ValueError, match=field):
-      engine.init_state(CFG, bad)
+      paged.init_state(CFG, bad)
     with pytest.raises(ValueError, match=field):
       Sampler(graphdef, CFG, bad)
   with pytest.raises(ValueError, match='steps_per_dispatch'):
@@ -1007,8 +1007,8 @@ def test_batched_and_chunked_prefill_equal_one_at_a_time(window):
   tokens = np.zeros((len(lens), MAX_PROMPT), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, : len(p)] = p
-  one = jax.jit(functools.partial(engine.prefill, graphdef))
-  batch = jax.jit(functools.partial(engine.prefill_batch, graphdef), static_argnames=('chunk',))
+  one = jax.jit(functools.partial(paged.prefill, graphdef))
+  batch = jax.jit(functools.partial(paged.prefill_batch, graphdef), static_argnames=('chunk',))
   alone = [one(params, jnp.asarray(tokens[i]), jnp.int32(n)) for i, n in enumerate(lens)]
   for chunk in (None, 4, 8):
     got = batch(params, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), chunk=chunk)
@@ -1255,7 +1255,7 @@ def test_compilation_cache_persists_programs(tmp_path):
     cfg = M.ModelConfig(vocab_size=64, width=32, mlp_width=64, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=8)
     graphdef, params = M.create(cfg, jax.random.key(0))
-    ecfg = sampler.EngineConfig(num_slots=2, num_pages=16, page_size=4, max_prompt_len=8,
+    ecfg = sampler.SamplerConfig(num_slots=2, num_pages=16, page_size=4, max_prompt_len=8,
                                 max_new_tokens=4)
     smp = sampler.Sampler(graphdef, cfg, ecfg)
     smp.generate(params, [sampler.Request(prompt=[1, 2, 3], max_new_tokens=4, greedy=True)])

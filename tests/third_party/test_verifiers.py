@@ -355,7 +355,7 @@ def _episodes(tok, envs, rows):
   )
   graphdef, params = models.create(config, jax.random.key(0))
   prompts = [env.reset(row) for env, row in zip(envs, rows, strict=True)]
-  engine = sampler.EngineConfig(
+  engine = sampler.SamplerConfig(
     num_slots=4,
     num_pages=160,
     page_size=8,

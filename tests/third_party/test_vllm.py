@@ -28,7 +28,7 @@ import pytest
 import jrl.models as M
 from jrl import trainers
 from jrl.models import hf
-from jrl.sampler import EngineConfig, Request, Sampler
+from jrl.sampler import Request, Sampler, SamplerConfig
 from jrl.trainers import controller
 from tests.helpers import QUIET, records, shrunk_config
 
@@ -54,7 +54,7 @@ _logprobs = jax.jit(M.next_token_logprobs, static_argnums=0)
 
 
 def jrl_sampler(cfg=CFG, graphdef=GRAPHDEF, max_new=MAX_NEW):
-  ecfg = EngineConfig(
+  ecfg = SamplerConfig(
     num_slots=8, num_pages=128, page_size=4, max_prompt_len=16, max_new_tokens=max_new
   )
   return Sampler(graphdef, cfg, ecfg, steps_per_dispatch=4)

@@ -24,7 +24,7 @@ import pytest
 
 from jrl import costmodel, parallel, trainers
 from jrl import models as M
-from jrl.sampler import EngineConfig, Request, Sampler
+from jrl.sampler import Request, Sampler, SamplerConfig
 from jrl.trainers import controller, engines
 from tests.helpers import QUIET, records, shrunk_config
 from tests.sampler import margins
@@ -32,7 +32,7 @@ from tests.sampler import margins
 CFG = M.ModelConfig(
   vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
 )
-ECFG = EngineConfig(num_slots=8, num_pages=64, page_size=4, max_prompt_len=16, max_new_tokens=10)
+ECFG = SamplerConfig(num_slots=8, num_pages=64, page_size=4, max_prompt_len=16, max_new_tokens=10)
 
 
 def _setup(mesh_shape):

@@ -19,7 +19,7 @@ from jrl.rewards.judge.verdicts import (
   parse_pairwise,
   parse_score,
 )
-from jrl.sampler import EngineConfig, Request, Sampler, pages_needed
+from jrl.sampler import Request, Sampler, SamplerConfig, pages_needed
 
 MODES = ('pairwise', 'score')
 STAT_KEYS = (
@@ -146,7 +146,7 @@ class GenerativeJudge:
         raise ValueError(f'`chat_template=True` but the tokenizer cannot apply one: {e}') from e
     if num_pages is None:
       num_pages = num_slots * pages_needed(max_prompt_len, max_new_tokens, 1, page_size) + 1
-    engine_config = EngineConfig(
+    engine_config = SamplerConfig(
       num_slots=num_slots,
       num_pages=num_pages,
       page_size=page_size,

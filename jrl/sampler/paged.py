@@ -1,7 +1,8 @@
-"""The paged decode engine: pure, jittable steps on an explicit state.
+"""The paged decode steps: pure, jittable functions on an explicit state.
 
-Following JetStream's engine convention, parameters are passed explicitly to
-every call and the engine holds no weights:
+The `Sampler` (jrl.sampler.sampler, jrl's `contracts.Engine`) drives them.
+As in JetStream, parameters are passed explicitly to every call and nothing
+here holds weights:
 
     prefix = prefill(graphdef, params, tokens, length)     one prompt
     state  = insert(state, prefix, slots, ...)             into G free slots
@@ -11,7 +12,7 @@ every call and the engine holds no weights:
     state  = free(state, slot_mask)                        release finished slots
 
 This module holds the slot lifecycle (`insert`, `admit`, `generate_slots`, `free`)
-and re-exports the rest of the engine: the state and its sizes
+and re-exports the rest of the steps: the state and its sizes
 (`jrl.sampler.state`), prefill (`jrl.sampler.prefill`), the decode loop
 (`jrl.sampler.decode`), per-sample controls (`jrl.sampler.controls`) and
 page-pool sizing (`jrl.sampler.pages`).
@@ -46,8 +47,8 @@ from jrl.sampler.state import (
   RUNNING,
   STOP,
   DecodeState,
-  EngineConfig,
   Prefix,
+  SamplerConfig,
   SlotRequest,
   init_state,
 )
@@ -65,7 +66,7 @@ def insert(state, prefix, slots_G, request, cfg, truncate=None):
     prefix: Prefix of the prompt.
     slots_G: [G] int32 distinct idle slots.
     request: SlotRequest with [G] leading axes.
-    cfg: EngineConfig (static).
+    cfg: SamplerConfig (static).
     truncate: static, as `jrl.sampler.sample`.
 
   Returns:
@@ -256,8 +257,8 @@ __all__ = [
   'RUNNING',
   'STOP',
   'DecodeState',
-  'EngineConfig',
   'Prefix',
+  'SamplerConfig',
   'SlotRequest',
   'admit',
   'attend_pages',
