@@ -98,11 +98,6 @@ class Coefficients:
       source=f'roofline of {hw.name}',
     )
 
-  @classmethod
-  def from_trace(cls, trace, workload, model=None, reference_model=None, **kwargs):
-    """Coefficients fitted to a measured run (see `calibrate`)."""
-    return calibrate(trace, workload, model=model, reference_model=reference_model, **kwargs)
-
   def scaled(self, factor):
     """For a model with `factor` x the FLOPs per token on the same machine."""
     f = factor

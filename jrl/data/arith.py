@@ -88,9 +88,6 @@ class ArithmeticTask:
   def _write(self, number):
     return str(number)[::-1] if self.reverse_answers else str(number)
 
-  def max_answer_len(self):
-    return len(str((10**self.digits - 1) ** 2 if '*' in self.ops else 2 * 10**self.digits))
-
   def prompt_len(self):
     return 2 * self.digits + 2
 
