@@ -15,6 +15,7 @@ composition of the terms: the trainer's update and `grpo_loss` both call it.
 Nothing here reads a config.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -53,29 +54,7 @@ class Objective(NamedTuple):
     tiny abstract batch; a ValueError names `field.<Objective field>`
     (`rl.kl_input_clamp`: a run's `rl` fields are the Objective's). The
     policy loss and the estimator are checked when made. Returns self."""
-    named = lambda *keys: {arg: f'{field}.{key}' for arg, key in keys}
-    kl = lambda logp, ref, mask: kl_lib.kl_penalty(
-      logp,
-      ref,
-      estimator=self.kl_estimator,
-      input_clamp=self.kl_input_clamp,
-      output_clamp=self.kl_output_clamp,
-      mask=mask,
-      old_logp=logp,
-    )
-    estimator = ('estimator', 'kl_estimator')
-    clamps = ('input_clamp', 'kl_input_clamp'), ('output_clamp', 'kl_output_clamp')
-    kl_shapes = (('logp', (1, 2)), ('ref_logp', (1, 2)), ('mask', (1, 2)))
-    registry.probe(kl, kl_shapes, named(estimator, *clamps), f'{field}.kl_estimator')
-    agg = lambda x, mask: self.aggregate(x, mask)
-    shapes = (('x', (1, 2)), ('mask', (1, 2)))
-    registry.probe(agg, shapes, named(('mode', 'loss_agg'), ('loss_norm', 'loss_norm')), field)
-    if self.off_policy_mask_threshold is not None:
-      mask_fn = lambda logp, mask: off_policy.off_policy_sequence_mask(
-        logp, logp, logp, mask, threshold=self.off_policy_mask_threshold
-      )
-      thr = named(('threshold', 'off_policy_mask_threshold'))
-      registry.probe(mask_fn, shapes, thr, f'{field}.off_policy_mask_threshold')
+    registry.once(_check, self, field)
     return self
 
 
@@ -142,3 +121,31 @@ def token_loss(
       raise ValueError('`entropy` is required when the entropy coefficient is nonzero.')
     total = total + objective.entropy_coef * entropy_loss(entropy, mask)
   return total, pg, kl, metrics
+
+
+@functools.lru_cache(maxsize=4096)
+def _check(objective, field):
+  """`Objective.check`, remembered for the values that pass."""
+  named = lambda *keys: {arg: f'{field}.{key}' for arg, key in keys}
+  kl = lambda logp, ref, mask: kl_lib.kl_penalty(
+    logp,
+    ref,
+    estimator=objective.kl_estimator,
+    input_clamp=objective.kl_input_clamp,
+    output_clamp=objective.kl_output_clamp,
+    mask=mask,
+    old_logp=logp,
+  )
+  estimator = ('estimator', 'kl_estimator')
+  clamps = ('input_clamp', 'kl_input_clamp'), ('output_clamp', 'kl_output_clamp')
+  kl_shapes = (('logp', (1, 2)), ('ref_logp', (1, 2)), ('mask', (1, 2)))
+  registry.probe(kl, kl_shapes, named(estimator, *clamps), f'{field}.kl_estimator')
+  agg = lambda x, mask: objective.aggregate(x, mask)
+  shapes = (('x', (1, 2)), ('mask', (1, 2)))
+  registry.probe(agg, shapes, named(('mode', 'loss_agg'), ('loss_norm', 'loss_norm')), field)
+  if objective.off_policy_mask_threshold is not None:
+    mask_fn = lambda logp, mask: off_policy.off_policy_sequence_mask(
+      logp, logp, logp, mask, threshold=objective.off_policy_mask_threshold
+    )
+    thr = named(('threshold', 'off_policy_mask_threshold'))
+    registry.probe(mask_fn, shapes, thr, f'{field}.off_policy_mask_threshold')

@@ -32,6 +32,7 @@ default are left out, so equal values compute the same thing.
 Nothing here sees a config: names and values are plain strings and numbers.
 """
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -277,12 +278,10 @@ class PolicyLoss(NamedTuple):
     name, and `field.<name>.<argument>` for an argument the loss does not
     take or a value its checks refuse."""
     check_choice(name, name_field, POLICY_LOSSES)
-    loss = cls.of(name, args)
-    _check_args(name, loss.args, POLICY_LOSS_ARGS, f'{field}.{name}', 'policy loss')
-    shapes = (('logp', (1, 2)), ('old_logp', (1, 2)), ('advantages', (1, 2)), ('mask', (1, 2)))
-    call = lambda *xs: POLICY_LOSSES[name](*xs, **loss.kwargs)
     at = f'{field}.{name}'
-    probe(call, shapes, _named(POLICY_LOSS_ARGS[name], at), at)
+    _check_args(name, dict(args or {}).items(), POLICY_LOSS_ARGS, at, 'policy loss')
+    loss = cls.of(name, args)
+    once(_probe_policy_loss, loss, at)
     return loss
 
   @classmethod
@@ -318,15 +317,10 @@ class Advantage(NamedTuple):
   def make(cls, name, args=None, field='rl.adv', name_field='rl.advantage'):
     """As `PolicyLoss.make`, for the estimator called `name`."""
     check_choice(name, name_field, ADVANTAGE_ESTIMATORS)
-    adv = cls.of(name, args)
     at = f'{field}.{name}'
-    _check_args(name, adv.args, ADVANTAGE_ARGS, at, 'advantage estimator')
-    if name in OUTCOME_ADVANTAGES:
-      fn = lambda rewards: OUTCOME_ADVANTAGES[name](rewards, 2, **adv.kwargs)
-      probe(fn, (('rewards', (2,)),), _named(ADVANTAGE_ARGS[name], at), at)
-    else:
-      fn = lambda rewards, mask: RETURN_ADVANTAGES[name](rewards, mask, 2, **adv.kwargs)
-      probe(fn, (('rewards', (2,)), ('mask', (2, 2))), _named(ADVANTAGE_ARGS[name], at), at)
+    _check_args(name, dict(args or {}).items(), ADVANTAGE_ARGS, at, 'advantage estimator')
+    adv = cls.of(name, args)
+    once(_probe_advantage, adv, at)
     return adv
 
   @classmethod
@@ -378,6 +372,37 @@ class Advantage(NamedTuple):
       )
     fn = RETURN_ADVANTAGES[self.name]
     return fn(rewards, mask, group_size, kl=kl, **self._kwargs(valid, axis_name))
+
+
+def once(check, *key):
+  """`check(*key)`, remembered when it passes: a run validates its config
+  more than once (start-up, each memory-plan candidate), and a test suite
+  thousands of times. A key that cannot be hashed is checked every time."""
+  try:
+    hash(key)
+  except TypeError:
+    return check.__wrapped__(*key)
+  return check(*key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe_policy_loss(loss, at):
+  """Traces the policy loss `loss` on a [1, 2] batch: its own checks run."""
+  shapes = (('logp', (1, 2)), ('old_logp', (1, 2)), ('advantages', (1, 2)), ('mask', (1, 2)))
+  call = lambda *xs: POLICY_LOSSES[loss.name](*xs, **loss.kwargs)
+  probe(call, shapes, _named(POLICY_LOSS_ARGS[loss.name], at), at)
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe_advantage(adv, at):
+  """Traces the estimator `adv` on a batch of one group of 2: its own checks run."""
+  names = _named(ADVANTAGE_ARGS[adv.name], at)
+  if adv.name in OUTCOME_ADVANTAGES:
+    fn = lambda rewards: OUTCOME_ADVANTAGES[adv.name](rewards, 2, **adv.kwargs)
+    probe(fn, (('rewards', (2,)),), names, at)
+  else:
+    fn = lambda rewards, mask: RETURN_ADVANTAGES[adv.name](rewards, mask, 2, **adv.kwargs)
+    probe(fn, (('rewards', (2,)), ('mask', (2, 2))), names, at)
 
 
 def unbounded_reason(loss: PolicyLoss):
