@@ -257,7 +257,12 @@ def test_sigterm_saves_collectively_and_the_pair_resumes_exactly(two_process_run
 
 
 @pytest.mark.parametrize(
-  'algorithm', ['grpo', pytest.param('ppo', marks=pytest.mark.slow), 'agent']
+  'algorithm',
+  [
+    'grpo',
+    pytest.param('ppo', marks=pytest.mark.slow),
+    pytest.param('agent', marks=pytest.mark.slow),
+  ],
 )
 def test_async_on_two_processes_matches_one_process(tmp_path, algorithm):
   """`topology.kind='async'` with k = 2 and partial rollouts on two processes
