@@ -106,15 +106,7 @@ def token_loss(
   if objective.kl_coef:
     if ref_logp is None:
       raise ValueError('`ref_logp` is required when the KL coefficient is nonzero.')
-    kl = kl_lib.kl_penalty(
-      logp,
-      ref_logp,
-      estimator=objective.kl_estimator,
-      input_clamp=objective.kl_input_clamp,
-      output_clamp=objective.kl_output_clamp,
-      mask=mask,
-      old_logp=old_logp,
-    )
+    kl = kl_estimate(objective, logp, ref_logp, mask, old_logp)
     total = total + objective.kl_coef * kl
   if objective.entropy_coef:
     if entropy is None:
@@ -123,19 +115,24 @@ def token_loss(
   return total, pg, kl, metrics
 
 
-@functools.lru_cache(maxsize=4096)
-def _check(objective, field):
-  """`Objective.check`, remembered for the values that pass."""
-  named = lambda *keys: {arg: f'{field}.{key}' for arg, key in keys}
-  kl = lambda logp, ref, mask: kl_lib.kl_penalty(
+def kl_estimate(objective, logp, ref_logp, mask, old_logp):
+  """The per-token KL [B, T] of `objective`'s estimator and clamps (`kl_penalty`)."""
+  return kl_lib.kl_penalty(
     logp,
-    ref,
+    ref_logp,
     estimator=objective.kl_estimator,
     input_clamp=objective.kl_input_clamp,
     output_clamp=objective.kl_output_clamp,
     mask=mask,
-    old_logp=logp,
+    old_logp=old_logp,
   )
+
+
+@functools.lru_cache(maxsize=4096)
+def _check(objective, field):
+  """`Objective.check`, remembered for the values that pass."""
+  named = lambda *keys: {arg: f'{field}.{key}' for arg, key in keys}
+  kl = lambda logp, ref, mask: kl_estimate(objective, logp, ref, mask, logp)
   estimator = ('estimator', 'kl_estimator')
   clamps = ('input_clamp', 'kl_input_clamp'), ('output_clamp', 'kl_output_clamp')
   kl_shapes = (('logp', (1, 2)), ('ref_logp', (1, 2)), ('mask', (1, 2)))

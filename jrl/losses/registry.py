@@ -250,6 +250,16 @@ def _named(args, field):
   return {key: f'{field}.{key}' for key in args}
 
 
+def _made(kernel, args, field, table_args, what):
+  """`kernel` (a PolicyLoss or an Advantage made from `args`) once its
+  arguments are known to the function (`table_args`) and pass its own checks
+  (`_PROBES`); errors name `field.<name>.<argument>`."""
+  at = f'{field}.{kernel.name}'
+  _check_args(kernel.name, dict(args or {}).items(), table_args, at, what)
+  once(_PROBES[type(kernel).__name__], kernel, at)
+  return kernel
+
+
 def _check_args(name, args, table_args, field, what):
   """Refuses an argument that the function called `name` does not take."""
   takes = tuple(k for k in table_args[name] if k != 'axis_name')
@@ -278,11 +288,7 @@ class PolicyLoss(NamedTuple):
     name, and `field.<name>.<argument>` for an argument the loss does not
     take or a value its checks refuse."""
     check_choice(name, name_field, POLICY_LOSSES)
-    at = f'{field}.{name}'
-    _check_args(name, dict(args or {}).items(), POLICY_LOSS_ARGS, at, 'policy loss')
-    loss = cls.of(name, args)
-    once(_probe_policy_loss, loss, at)
-    return loss
+    return _made(cls.of(name, args), args, field, POLICY_LOSS_ARGS, 'policy loss')
 
   @classmethod
   def of(cls, name, args=None):
@@ -317,11 +323,7 @@ class Advantage(NamedTuple):
   def make(cls, name, args=None, field='rl.adv', name_field='rl.advantage'):
     """As `PolicyLoss.make`, for the estimator called `name`."""
     check_choice(name, name_field, ADVANTAGE_ESTIMATORS)
-    at = f'{field}.{name}'
-    _check_args(name, dict(args or {}).items(), ADVANTAGE_ARGS, at, 'advantage estimator')
-    adv = cls.of(name, args)
-    once(_probe_advantage, adv, at)
-    return adv
+    return _made(cls.of(name, args), args, field, ADVANTAGE_ARGS, 'advantage estimator')
 
   @classmethod
   def of(cls, name, args=None):
@@ -403,6 +405,9 @@ def _probe_advantage(adv, at):
   else:
     fn = lambda rewards, mask: RETURN_ADVANTAGES[adv.name](rewards, mask, 2, **adv.kwargs)
     probe(fn, (('rewards', (2,)), ('mask', (2, 2))), names, at)
+
+
+_PROBES = {'PolicyLoss': _probe_policy_loss, 'Advantage': _probe_advantage}
 
 
 def unbounded_reason(loss: PolicyLoss):
