@@ -11,7 +11,7 @@ tool-use demonstrations (`episodes.demonstration_batch`).
 
 from jrl.trainers import checks, episodes, grpo, ppo
 
-TRAINERS = {'grpo': grpo.build, 'ppo': ppo.build}
+TRAINERS = {'grpo': grpo.GRPO, 'ppo': ppo.PPO}
 # What an agent run reads besides the shared sections (with `agent.trainer='ppo'`
 # also `ppo.SECTION`).
 SECTIONS = (*grpo.SECTIONS, episodes.SECTION)

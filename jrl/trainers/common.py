@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jrl import distributed, models
+from jrl import distributed, models, parallel
 from jrl.data import layouts, packing
 from jrl.models import lora
 from jrl.trainers import signals
@@ -459,24 +460,61 @@ def apply_gradients(
   return state._replace(step=state.step + finite.astype(jnp.int32)), metrics
 
 
-def jit_update(steps, model, optim, shardings, micro_batched, additive, token_share):
-  """The jitted update of an algorithm. `steps`: its (train_step,
-  loss_and_grads, apply_update); `model` and `optim`: their keyword
-  arguments. One program, `train_step(state, batch, **model, **optim)`, or
-  with `micro_batched` a MicroBatchedStep (`loss_and_grads(..., **model)`
-  per micro-batch, `apply_update(..., **optim)` once; `additive`,
-  `token_share`: as MicroBatchedStep). The state is donated and the new one
-  laid out as `shardings`."""
-  train_step, loss_and_grads, apply_update = steps
-  if micro_batched:
-    return MicroBatchedStep(
-      jax.jit(functools.partial(loss_and_grads, **model)),
-      jax.jit(
-        functools.partial(apply_update, **optim), donate_argnums=(0,), out_shardings=shardings
-      ),
-      additive,
-      token_share,
-    )
-  return jax.jit(
-    functools.partial(train_step, **model, **optim), donate_argnums=(0,), out_shardings=shardings
-  )
+def with_remat(graphdef, params, remat):
+  """The graph of the same model with the training forward's remat policy
+  `remat` (the model config is static in the graph)."""
+  model = nnx.merge(graphdef, params)
+  if model.config.remat == remat:
+    return graphdef
+  model.config = model.config.replace(remat=remat)
+  return nnx.graphdef(model)
+
+
+class Update(NamedTuple):
+  """An algorithm's update step before it is jitted: its pure functions and
+  what they are bound to. `jit` makes the step; the memory plan compiles
+  candidates of it (`memory_plan.plan_update`) before the run's is made.
+
+  The step takes (state, minibatch) and returns (state, metrics): one
+  program `train_step(state, batch, **model, **optim)`, or with a token
+  budget a MicroBatchedStep of `loss_and_grads(state, batch, **model)` per
+  micro-batch and `apply_update(state, grads, losses, metrics, **optim)`
+  once. The state is donated and the new one laid out as `shardings`; the
+  step is traced under `mesh` (`parallel.on_mesh`).
+  """
+
+  fns: tuple  # (train_step, loss_and_grads, apply_update)
+  model: dict  # the forward's keyword arguments (graphdefs, the step's config)
+  optim: dict  # the optimiser's keyword arguments (tx, schedule, ...)
+  shardings: Any  # the new state's layout (setup.step_shardings)
+  mesh: Any  # the training mesh
+  models: dict  # {keyword of a graphdef in `model`: its params}: the models `remat` applies to
+  additive: tuple  # metrics that add up over micro-batches (MicroBatchedStep)
+  token_share: str  # the micro-batch's share of the minibatch's tokens (a metric)
+
+  def jit(self, budget=0, remat=None):
+    """The jitted step, over micro-batches of `budget` tokens (0: the whole
+    minibatch), its forwards with the remat policy `remat` (None: the models' own)."""
+    train_step, loss_and_grads, apply_update = self.fns
+    model = dict(self.model)
+    if remat is not None:
+      for key, params in self.models.items():
+        model[key] = with_remat(model[key], params, remat)
+    if budget:
+      step = MicroBatchedStep(
+        jax.jit(functools.partial(loss_and_grads, **model)),
+        jax.jit(
+          functools.partial(apply_update, **self.optim),
+          donate_argnums=(0,),
+          out_shardings=self.shardings,
+        ),
+        self.additive,
+        self.token_share,
+      )
+    else:
+      step = jax.jit(
+        functools.partial(train_step, **model, **self.optim),
+        donate_argnums=(0,),
+        out_shardings=self.shardings,
+      )
+    return parallel.on_mesh(self.mesh, step)  # attention kernels per shard

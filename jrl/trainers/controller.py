@@ -1,8 +1,8 @@
 """The controller: the loop every algorithm's run shares.
 
-An algorithm's `build(config)` returns a `Job`: its resources, its initial
-train state, and plain functions for one iteration, the held-out
-evaluation and the switch from the SFT warm-up to the main phase.
+An algorithm's `build(config)` returns a `Job`: an object holding its
+resources and initial train state, whose methods are one iteration, the
+held-out evaluation and the switch from the SFT warm-up to the main phase.
 `train(job)` then
 
 1. writes the resolved config and the command line to `workdir/config.json`
@@ -31,8 +31,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -42,20 +41,44 @@ from jrl import metrics as metrics_lib
 from jrl.trainers import checks, common, setup, signals
 
 
-class Job(NamedTuple):
-  """One algorithm's run, built and ready to start."""
+class Job:
+  """One algorithm's run, built and ready to start: what `train` calls.
+
+  An algorithm's job is a subclass (`sft.SFT`, `grpo.GRPO`, ...) whose
+  constructor sets the run up and sets `resources` and `state` (the initial
+  train state, whose structure is kept all run long), and whose `iterate`
+  is one iteration. The other methods have the defaults of an algorithm
+  without them.
+  """
 
   resources: setup.Resources
-  state: common.TrainState  # the initial state (its structure is kept all run long)
-  iterate: Callable  # (state, iteration) -> (state, signals.Report)
-  evaluate: Callable  # state -> held-out metrics ({} when there is nothing to evaluate)
-  start_rl: Callable | None = None  # state -> state, once the SFT warm-up is done
+  state: common.TrainState
   topology: Any = None  # jrl.trainers.topology strategy (online algorithms)
-  reward_errors: Callable = list  # () -> the reward service's latest errors
-  samples: Callable = list  # () -> the latest batch's example completions (dicts)
-  close: Callable = lambda: None  # stops reward workers
-  steps: Any = None  # the jitted steps, for benchmarks and tests
   memory_plan: Any = None  # memory_plan.Plan of the update (online algorithms)
+
+  def iterate(self, state, iteration):
+    """(state, signals.Report): one iteration (0-based)."""
+    raise NotImplementedError
+
+  def evaluate(self, state):
+    """Held-out metrics ({}: nothing to evaluate)."""
+    del state
+    return {}
+
+  def start_rl(self, state):
+    """The state the algorithm's own phase starts from once the SFT warm-up is done."""
+    return state
+
+  def reward_errors(self):
+    """The reward service's latest errors."""
+    return []
+
+  def samples(self):
+    """The latest batch's example completions (dicts)."""
+    return []
+
+  def close(self):
+    """Stops what the run started (reward workers, evaluation processes)."""
 
 
 def close(job):
@@ -176,7 +199,7 @@ def train(job):
   def due(every, it):
     return every and (it % every == 0 or it == total or it == warmup)
 
-  if 0 < progress.iteration == warmup < total and not progress.rl_started and job.start_rl:
+  if 0 < progress.iteration == warmup < total and not progress.rl_started:
     # The warm-up of an SFT-only run, resumed with the algorithm's steps: RL
     # begins as in a run that had them from the start.
     state = job.start_rl(state)
@@ -194,7 +217,7 @@ def train(job):
       if not in_sft and tracer.enabled:
         metrics.update(tracer.bubbles(t_start, tracer.now()))
       it = progress.iteration = it + 1
-      if it == warmup and it < total and job.start_rl is not None:
+      if it == warmup and it < total:
         state = job.start_rl(state)
         progress.rl_started = True
       skipped = report.skipped

@@ -6,7 +6,7 @@ the correct answer is chosen, a corrupted one rejected. Chosen and rejected
 rows go through the policy in one [2P, T] forward; the reference model (the
 policy after the SFT warm-up) is scored once per step, outside the gradient.
 
-An offline algorithm: `build` makes no sampler for training, no reward
+An offline algorithm: `DPO` makes no sampler for training, no reward
 workers and no topology. Held-out accuracy is measured with a greedy
 sampler of its own, built at the first evaluation.
 """
@@ -192,29 +192,43 @@ def make_steps(config, resources, tx, schedule, shardings):
   )
 
 
-def build(config):
+class DPO(controller.Job):
   """The job of a DPO-family run: an optional SFT warm-up, then `dpo.steps`
   updates on `dpo.pairs_per_step` pairs each."""
-  resources, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
-  d = config.dpo
-  next_pairs = pair_source(config, resources)
-  tx, schedule = setup.optimizer(config)
-  uses_ref = d.loss not in _REFERENCE_FREE
 
-  def new_state(params, tx):
+  def __init__(self, config):
+    self.config = config
+    resources, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
+    self.resources = resources
+    self.next_pairs = pair_source(config, resources)
+    self.tx, schedule = setup.optimizer(config)
+    self.uses_ref = config.dpo.loss not in _REFERENCE_FREE
+    sft_tx = setup.sft_optimizer(config)[0]
+    self.state = self.new_state(resources.params, sft_tx if config.sft.steps else self.tx)
+    self.warmup = sft.Warmup(resources, self.state)
+    shardings = setup.step_shardings(self.state, resources.mesh)
+    self.steps = make_steps(config, resources, self.tx, schedule, shardings)
+    self.evaluator = held_out.Evaluator(resources)
+    self.packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+
+  def new_state(self, params, tx):
     """The reference is the policy when DPO begins (after the warm-up)."""
-    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
-    return setup.new_state(params, tx, resources.mesh, extra)
+    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if self.uses_ref else {}
+    return setup.new_state(params, tx, self.resources.mesh, extra)
 
-  state = new_state(resources.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
-  warmup = sft.warmup(resources, state)
-  steps = make_steps(config, resources, tx, schedule, setup.step_shardings(state, resources.mesh))
-  evaluate, close = held_out.held_out_evaluator(resources)
-  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+  def start_rl(self, state):
+    return self.new_state(state.params, self.tx)
 
-  def dpo_iteration(state, it):
+  def iterate(self, state, it):
+    if it < self.config.sft.steps:
+      return self.warmup.iterate(state, it)
+    return self.dpo_iteration(state, it)
+
+  def dpo_iteration(self, state, it):
+    """Pairs -> [2P, T] rows -> the reference's sequence logprobs -> one update."""
+    resources, d = self.resources, self.config.dpo
     t_step = time.perf_counter()
-    pairs = next_pairs(d.pairs_per_step, it)
+    pairs = self.next_pairs(d.pairs_per_step, it)
     eos = list(resources.stop_tokens[:1])
     prompts = [resources.encoder.prompt_ids(p['prompt']) for p in pairs]
     chosen = [resources.tokenizer.encode(p['chosen']) + eos for p in pairs]
@@ -222,10 +236,10 @@ def build(config):
     batch = common.pack_sequences(
       prompts + prompts, chosen + rejected, resources.seq_len, resources.tokenizer.pad_id
     )
-    placed = common.with_packed(common.place(batch, resources.batch_sharding), packer)
+    placed = common.with_packed(common.place(batch, resources.batch_sharding), self.packer)
     start = time.perf_counter()
-    if uses_ref:
-      ref = steps.reference(
+    if self.uses_ref:
+      ref = self.steps.reference(
         state.extra['ref_params'],
         placed.tokens,
         placed.mask,
@@ -238,7 +252,7 @@ def build(config):
     t_ref = time.perf_counter() - start
     full = DPOBatch(placed.tokens, placed.mask, placed.loss_mask, ref, placed.packed)
     start = time.perf_counter()
-    state, metrics = steps.dpo(state, full)
+    state, metrics = self.steps.dpo(state, full)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics['time/update'] = time.perf_counter() - start
     metrics['time/reference'] = t_ref
@@ -246,20 +260,13 @@ def build(config):
     metrics['phase'] = 1.0
     return state, signals.Report(metrics, signals.skipped(metrics, ('dpo',)))
 
-  def iterate(state, it):
-    return warmup.iterate(state, it) if it < config.sft.steps else dpo_iteration(state, it)
+  def evaluate(self, state):
+    return self.evaluator(state)
 
-  return controller.Job(
-    resources,
-    state,
-    iterate,
-    evaluate,
-    start_rl=lambda state: new_state(state.params, tx),
-    close=close,
-    steps=(warmup, steps),
-  )
+  def close(self):
+    self.evaluator.close()
 
 
 ALGORITHM = checks.register(
-  checks.Algorithm('dpo', build, SECTIONS, steps_section='dpo', standalone_eval=True)
+  checks.Algorithm('dpo', DPO, SECTIONS, steps_section='dpo', standalone_eval=True)
 )

@@ -50,7 +50,6 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jrl import distributed
 from jrl.data import layouts
@@ -188,16 +187,6 @@ def choose(options, measure, limit):
   return Plan(remat, budget, need, limit, reason, tuple(measured))
 
 
-def with_remat(graphdef, params, remat):
-  """The graph of the same model with the training forward's remat policy
-  `remat` (the model config is static in the graph)."""
-  model = nnx.merge(graphdef, params)
-  if model.config.remat == remat:
-    return graphdef
-  model.config = model.config.replace(remat=remat)
-  return nnx.graphdef(model)
-
-
 def abstract(tree):
   """ShapeDtypeStructs (with shardings) of a tree of arrays: what lowering needs."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -272,14 +261,15 @@ def worst_case_rows(config, seq_len, vocab_size):
   return tokens, mask, loss_mask
 
 
-def planned_steps(config, resources, state, packer, make_steps, probe_batch, models=1, worker=None):
-  """(steps, packer, Plan): the update's remat policy and
-  micro-batch budget chosen by `plan` (`train.memory_plan`).
+def plan_update(config, resources, state, packer, update, probe_batch, models=1, worker=None):
+  """(Plan, packer): the remat policy and micro-batch budget of an update,
+  chosen by `plan` (`train.memory_plan`) before the run's step is made with
+  them (`update.jit(plan.budget, plan.remat)`).
 
   Args:
     state: the train state the update step takes (only its shapes are read).
     packer: the config's Packer; the returned one has the plan's budget.
-    make_steps: (remat, packer) -> the algorithm's Steps, the update first.
+    update: the algorithm's common.Update; each candidate is compiled from it.
     probe_batch: (tokens, mask, loss_mask) host [B, T] -> the update's batch
       on the mesh (without `packed`).
     models: how many models of the policy's size the update trains (PPO: 2).
@@ -287,14 +277,14 @@ def planned_steps(config, resources, state, packer, make_steps, probe_batch, mod
       the plan fails.
   """
   try:
-    return _planned_steps(config, resources, state, packer, make_steps, probe_batch, models)
+    return _plan_update(config, resources, state, packer, update, probe_batch, models)
   except BaseException:
     if worker is not None:
       worker.close()
     raise
 
 
-def _planned_steps(config, resources, state, packer, make_steps, probe_batch, models):
+def _plan_update(config, resources, state, packer, update, probe_batch, models):
   rl = config.rl
   shards = common.batch_shards(resources.batch_sharding)
   per_row = rl.group_size if packer.kind == 'shared_prompt' else 1
@@ -305,15 +295,13 @@ def _planned_steps(config, resources, state, packer, make_steps, probe_batch, mo
     row = packer.row_len
   whole = math.ceil(rl.minibatch_size / per_row / shards) * row
 
-  def build(remat, budget):
-    p = common.Packer(packer.row_len, packer.sharding, budget, packer.kind)
-    return make_steps(remat, p), p
+  def with_budget(budget):
+    return common.Packer(packer.row_len, packer.sharding, budget, packer.kind)
 
   def measure(remat, budget):
-    steps, p = build(remat, budget)
     rows = worst_case_rows(config, resources.seq_len, resources.model.config.vocab_size)
-    batch = probe_batch(*rows)._replace(packed=p.for_step(*rows))
-    return step_bytes(steps[0], abstract(state), batch)
+    batch = probe_batch(*rows)._replace(packed=with_budget(budget).for_step(*rows))
+    return step_bytes(update.jit(budget, remat), abstract(state), batch)
 
   num_params = sum(x.size for x in jax.tree.leaves(resources.params))
   bound = models * upper_bound(
@@ -322,5 +310,4 @@ def _planned_steps(config, resources, state, packer, make_steps, probe_batch, mo
   path = os.path.join(resources.workdir, 'memory_plan.json')
   device = next(d for d in resources.mesh.devices.flat if d.process_index == jax.process_index())
   chosen = plan(config, device, whole, row, measure, bound, path)
-  steps, packer = build(chosen.remat, chosen.budget)
-  return steps, packer, chosen
+  return chosen, with_budget(chosen.budget)

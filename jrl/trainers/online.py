@@ -8,8 +8,6 @@ Offline algorithms (SFT, DPO, reward model) import nothing from here.
 
 import functools
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -379,65 +377,95 @@ def logprobs_fn(config, graphdef, packer=None):
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
 
-class Algorithm(NamedTuple):
-  """What an online algorithm brings to the shared iteration (`iteration`).
+class Run(controller.Job):
+  """An online algorithm's job: `sft.steps` SFT warm-up iterations, then RL
+  iterations (`rl_iteration`) that call the algorithm's parts, its methods:
 
-  batch: (state, placed rollout, behaviour or proximal logprobs, importance
-    weights or None, metrics) -> (the update's batch, advantages [B, T]): GRPO's
-    group advantages, PPO's critic values and GAE; it may add metrics.
-  update: the jitted update step, (state, minibatch) -> (state, metrics).
-  after: (state, placed rollout, metrics) -> state, once the update is done
-    (PPO's KL controller), or None.
+    batch(state, placed rollout, behaviour or proximal logprobs, importance
+      weights or None, metrics) -> (the update's batch, advantages [B, T]):
+      GRPO's group advantages, PPO's critic values and GAE; it may add metrics.
+    update(state, minibatch) -> (state, metrics): the jitted update step.
+    after(state, placed rollout, metrics) -> state, once the update is done
+      (PPO's KL controller).
+
+  A subclass's constructor sets the run up (`start`, `finish`,
+  `memory_plan.plan_update`) and sets `config`, `resources`, `state`,
+  `warmup` (sft.Warmup), `worker`, `topology`, `logprobs` (the reference
+  and proximal passes), `packer`, `memory_plan` and `uses_ref` (whether
+  the state's `extra` holds reference parameters).
   """
 
-  batch: Callable
-  update: Callable
-  after: Callable | None = None
+  def iterate(self, state, it):
+    if it < self.config.sft.steps:
+      return self.warmup.iterate(state, it)
+    return self.rl_iteration(state, it)
 
+  def rl_iteration(self, state, it):
+    """One RL iteration, top to bottom: the rollout (its worker, through the
+    topology) -> rewards shaped -> placed on the mesh, the reference pass ->
+    for a rollout of an older policy, the proximal pass and its importance
+    weights -> `batch` and its advantages -> `rl.epochs` passes of `update`
+    over minibatches -> `after` -> (state, signals.Report): metrics, the
+    models whose update skipped, what the rollout left unscored."""
+    config, resources, topo = self.config, self.resources, self.topology
+    rl = config.rl
+    t_step = time.perf_counter()
+    generated = topo.next_rollout(state.params, it)
+    state, shaped = shape_rewards(
+      state, generated.rewards, config.reward, generated.metrics, valid_rows(generated)
+    )
+    ref_params = state.extra['ref_params'] if self.uses_ref else None
+    generated = place_rollout(
+      generated._replace(rewards=shaped), resources, self.logprobs, ref_params, rl.minibatch_size
+    )
+    metrics = dict(generated.metrics)
+    old_logp, is_weights = generated.old_logp, None
+    if topo.staleness or correction.recomputes_logprobs(config):
+      old_logp, is_weights, corrected = correction.proximal(
+        self.logprobs, state.params, generated, it, resources
+      )
+      metrics.update(corrected)
+    full, adv = self.batch(state, generated, old_logp, is_weights, metrics)
+    with topo.update_window(), resources.tracer.span('update', iteration=it):
+      state, update_metrics, t_update = run_minibatches(
+        self.update, state, full, config, it, resources.batch_sharding, self.packer
+      )
+    metrics.update(update_metrics)
+    metrics.update(advantage_metrics(adv, trained_mask(generated)))
+    state = self.after(state, generated, metrics)
+    topo.publish(state.params, it + 1)  # partial rollouts in flight may move to it
+    metrics['time/update'] = t_update
+    metrics['time/step'] = time.perf_counter() - t_step
+    metrics['throughput/update_tokens_per_s'] = (
+      rl.epochs * generated.num_tokens / max(t_update, 1e-9)
+    )
+    metrics['phase'] = 1.0
+    report = signals.Report(
+      metrics, signals.skipped(update_metrics, ('actor', 'critic')), generated.unscored
+    )
+    return state, report
 
-def iteration(state, it, algorithm, *, config, resources, topo, logprobs, packer, uses_ref):
-  """One RL iteration of an online algorithm, top to bottom: the rollout (its
-  worker, through the topology) -> rewards shaped -> placed on the mesh, the
-  reference pass -> for a rollout of an older policy, the proximal pass and
-  its importance weights -> the algorithm's batch and advantages ->
-  `rl.epochs` passes of its update over minibatches -> (state,
-  signals.Report): metrics, the models whose update skipped, what the
-  rollout left unscored."""
-  rl = config.rl
-  t_step = time.perf_counter()
-  generated = topo.next_rollout(state.params, it)
-  state, shaped = shape_rewards(
-    state, generated.rewards, config.reward, generated.metrics, valid_rows(generated)
-  )
-  ref_params = state.extra['ref_params'] if uses_ref else None
-  generated = place_rollout(
-    generated._replace(rewards=shaped), resources, logprobs, ref_params, rl.minibatch_size
-  )
-  metrics = dict(generated.metrics)
-  old_logp, is_weights = generated.old_logp, None
-  if topo.staleness or correction.recomputes_logprobs(config):
-    old_logp, is_weights, corrected = correction.proximal(
-      logprobs, state.params, generated, it, resources
-    )
-    metrics.update(corrected)
-  full, adv = algorithm.batch(state, generated, old_logp, is_weights, metrics)
-  with topo.update_window(), resources.tracer.span('update', iteration=it):
-    state, update_metrics, t_update = run_minibatches(
-      algorithm.update, state, full, config, it, resources.batch_sharding, packer
-    )
-  metrics.update(update_metrics)
-  metrics.update(advantage_metrics(adv, trained_mask(generated)))
-  if algorithm.after is not None:
-    state = algorithm.after(state, generated, metrics)
-  topo.publish(state.params, it + 1)  # partial rollouts in flight may move to it
-  metrics['time/update'] = t_update
-  metrics['time/step'] = time.perf_counter() - t_step
-  metrics['throughput/update_tokens_per_s'] = rl.epochs * generated.num_tokens / max(t_update, 1e-9)
-  metrics['phase'] = 1.0
-  report = signals.Report(
-    metrics, signals.skipped(update_metrics, ('actor', 'critic')), generated.unscored
-  )
-  return state, report
+  def batch(self, state, generated, old_logp, is_weights, metrics):
+    raise NotImplementedError
+
+  def update(self, state, minibatch):
+    raise NotImplementedError
+
+  def after(self, state, generated, metrics):
+    del generated, metrics
+    return state
+
+  def evaluate(self, state):
+    return self.worker.evaluate(self.topology.rollout_params(state.params), int(state.step))
+
+  def reward_errors(self):
+    return self.worker.last_errors
+
+  def samples(self):
+    return self.worker.last_samples
+
+  def close(self):
+    self.worker.close()
 
 
 def advantage_metrics(adv, loss_mask):
@@ -451,58 +479,3 @@ def advantage_metrics(adv, loss_mask):
     'advantages/max': float(values.max()),
     'advantages/min': float(values.min()),
   }
-
-
-def job(
-  config,
-  resources,
-  state,
-  *,
-  worker,
-  topo,
-  warmup,
-  algorithm,
-  steps,
-  packer,
-  plan,
-  uses_ref,
-  start_rl,
-):
-  """The `controller.Job` of an online run: SFT warm-up iterations
-  (`warmup`, `sft.steps` of them), then `iteration` with `algorithm`.
-
-  Args:
-    steps: the algorithm's jitted steps (their `logprobs`: the reference and
-      proximal passes, laid out by `packer`).
-    plan: the memory plan the update was built with.
-    uses_ref: whether the run has a reference model.
-    start_rl: state -> state when RL begins (a fresh optimiser, the policy as
-      the reference).
-  """
-  rl_iteration = functools.partial(
-    iteration,
-    algorithm=algorithm,
-    config=config,
-    resources=resources,
-    topo=topo,
-    logprobs=steps.logprobs,
-    packer=packer,
-    uses_ref=uses_ref,
-  )
-
-  def iterate(state, it):
-    return warmup.iterate(state, it) if it < config.sft.steps else rl_iteration(state, it)
-
-  return controller.Job(
-    resources,
-    state,
-    iterate,
-    evaluate=lambda state: worker.evaluate(topo.rollout_params(state.params), int(state.step)),
-    start_rl=start_rl,
-    topology=topo,
-    reward_errors=lambda: worker.last_errors,
-    samples=lambda: worker.last_samples,
-    close=worker.close,
-    steps=(warmup, steps),
-    memory_plan=plan,
-  )

@@ -15,8 +15,8 @@ Completions whose reward could not be computed (`reward.unscored='drop'`)
 are left out: no reward, no GAE, no whitening statistics, no policy or
 value loss (`PPOBatch.valid`).
 
-`train_step(state, batch)` updates policy and critic together; both are
-pure and jitted once in `build`. Rollouts come from the same rollout worker
+`train_step(state, batch)` updates policy and critic together; it is pure
+and jitted once by `PPO`. Rollouts come from the same rollout worker
 and topology as GRPO's (`jrl.trainers.online`).
 """
 
@@ -212,129 +212,145 @@ def make_critic(config, resources, policy_params, key):
 class Steps(NamedTuple):
   """The jitted functions of a PPO run."""
 
-  ppo: Any  # train_step
+  ppo: Any  # the update step: (state, PPOBatch) -> (state, metrics)
   logprobs: Any  # (params, tokens, mask) -> logp [B, T]
   values: Any  # (critic params, tokens, mask) -> [B, T]
   gae: Any  # (token rewards, values, mask) -> (advantages, returns), each [B, T]
 
 
-def make_steps(config, resources, critic, optimizers, shardings, packer=None, remat=None):
-  """The Steps of a run. `critic` is (graphdef, params); the update's
-  forwards (policy and critic) run with the `remat` policy (None: the
-  models' own, `memory_plan.with_remat`)."""
+def make_update(config, resources, critic, optimizers, shardings):
+  """The update of a PPO run (train_step), not yet jitted; `critic` is
+  (graphdef, params), `optimizers` ((tx, schedule), (critic_tx, critic_schedule))."""
   (tx, schedule), (critic_tx, critic_schedule) = optimizers
-  critic_graphdef, graphdef = critic[0], resources.model.graphdef
-  models_ = dict(graphdef=graphdef, critic_graphdef=critic_graphdef)
-  if remat is not None:
-    models_['graphdef'] = memory_plan.with_remat(graphdef, resources.params, remat)
-    models_['critic_graphdef'] = memory_plan.with_remat(critic_graphdef, critic[1], remat)
-  models_ = dict(
-    **models_,
-    step_config=policy_step.step_config(
-      config.rl, config.train.chunk_size, config.sampling.temperature
-    ),
-    value_clip=config.ppo.value_clip,
-  )
-  optim = dict(tx=tx, schedule=schedule, critic_tx=critic_tx, critic_schedule=critic_schedule)
-  ppo_step = common.jit_update(
+  return common.Update(
     (train_step, loss_and_grads, apply_update),
-    models_,
-    optim,
-    shardings,
-    packer is not None and packer.budget,  # micro-batches of a token budget
-    ADDITIVE_METRICS,
-    policy_step.TOKEN_SHARE,
+    model=dict(
+      graphdef=resources.model.graphdef,
+      critic_graphdef=critic[0],
+      step_config=policy_step.step_config(
+        config.rl, config.train.chunk_size, config.sampling.temperature
+      ),
+      value_clip=config.ppo.value_clip,
+    ),
+    optim=dict(tx=tx, schedule=schedule, critic_tx=critic_tx, critic_schedule=critic_schedule),
+    shardings=shardings,
+    mesh=resources.mesh,
+    models={'graphdef': resources.params, 'critic_graphdef': critic[1]},
+    additive=ADDITIVE_METRICS,
+    token_share=policy_step.TOKEN_SHARE,
   )
-  values = common.with_packer(jax.jit(functools.partial(critic_values, critic_graphdef)), packer)
-  gae = jax.jit(functools.partial(L.gae, gamma=config.ppo.gamma, lam=config.ppo.lam))
-  # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
-  return Steps(
-    parallel.on_mesh(resources.mesh, ppo_step),
-    parallel.on_mesh(resources.mesh, online.logprobs_fn(config, resources.model.graphdef, packer)),
-    parallel.on_mesh(resources.mesh, values),
-    gae,
-  )
 
 
-def build(
-  config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch, sections=SECTIONS
-):
-  """The job of a PPO run (`make_worker`, `sft_batch`, `sections`: as `grpo.build`)."""
-  rl, ppo = config.rl, config.ppo
-  resources, rollout_mesh, rows = online.start(config, sections)
-  tx, schedule = setup.optimizer(config)
-  critic_optim = config.optim.copy_and_resolve_references()
-  with critic_optim.unlocked():
-    critic_optim.lr = ppo.critic_lr
-  critic_tx, critic_schedule = make_optimizer(critic_optim)  # the whole critic trains
-  critic_key = jax.random.PRNGKey(setup.seed(config.seed, 'critic'))
-  # The adaptive controller drives the KL penalty in the reward (as in veRL);
-  # a KL term in the loss keeps the fixed `rl.kl_coef` it was compiled with.
-  in_reward = rl.kl_in == 'reward'
-  if ppo.adaptive_kl and in_reward:
-    kl_ctl = L.adaptive_kl_controller(rl.kl_coef, ppo.kl_target, ppo.kl_horizon)
-  else:
-    kl_ctl = L.fixed_kl_controller(rl.kl_coef)
-  uses_ref = rl.kl_coef > 0
-  critic_graphdefs = []
+def probe_batch(resources, staleness, tokens, mask, loss_mask):
+  """The PPOBatch the memory plan compiles the update for (as `grpo.probe_batch`)."""
+  put = lambda x: common.place_global(x, resources.batch_sharding)
+  z = put(np.zeros(tokens.shape, np.float32))
+  is_weights = put(np.ones(tokens.shape, np.float32)) if staleness else None
+  valid = online.place_valid(np.ones(tokens.shape[0], bool), resources.batch_sharding)
+  return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights, valid=valid)
 
-  def new_state(params, tx):
+
+class PPO(online.Run):
+  """The job of a PPO run (arguments: as `grpo.GRPO`)."""
+
+  def __init__(
+    self, config, make_worker=rollout.RolloutWorker, sft_batch=sft.response_batch, sections=SECTIONS
+  ):
+    self.config = config
+    rl, ppo = config.rl, config.ppo
+    resources, rollout_mesh, rows = online.start(config, sections)
+    self.resources = resources
+
+    # The optimisers: the policy's, and the critic's (the whole critic trains).
+    self.tx, schedule = setup.optimizer(config)
+    critic_optim = config.optim.copy_and_resolve_references()
+    with critic_optim.unlocked():
+      critic_optim.lr = ppo.critic_lr
+    self.critic_tx, critic_schedule = make_optimizer(critic_optim)
+    self.critic_key = jax.random.PRNGKey(setup.seed(config.seed, 'critic'))
+    # The adaptive controller drives the KL penalty in the reward (as in veRL);
+    # a KL term in the loss keeps the fixed `rl.kl_coef` it was compiled with.
+    self.kl_in_reward = rl.kl_in == 'reward'
+    if ppo.adaptive_kl and self.kl_in_reward:
+      self.kl_ctl = L.adaptive_kl_controller(rl.kl_coef, ppo.kl_target, ppo.kl_horizon)
+    else:
+      self.kl_ctl = L.fixed_kl_controller(rl.kl_coef)
+    self.uses_ref = rl.kl_coef > 0
+
+    # State: the policy, its reference, the critic and the KL controller.
+    sft_tx = setup.sft_optimizer(config)[0]
+    self.state = self.new_state(resources.params, sft_tx if config.sft.steps else self.tx)
+    self.warmup = sft.Warmup(resources, self.state, sft_batch)
+    self.worker, self.topology = online.finish(config, resources, rollout_mesh, rows, make_worker)
+
+    # The update: its memory plan chosen first, then the step jitted with it.
+    shardings = setup.step_shardings(self.state, resources.mesh)
+    critic = (self.critic_graphdef, self.state.extra['critic'].params)
+    optimizers = ((self.tx, schedule), (self.critic_tx, critic_schedule))
+    update_fns = make_update(config, resources, critic, optimizers, shardings)
+    self.memory_plan, self.packer = memory_plan.plan_update(
+      config,
+      resources,
+      self.state,
+      common.make_packer(config.train, resources.seq_len, resources.batch_sharding),
+      update_fns,
+      functools.partial(probe_batch, resources, self.topology.staleness),
+      models=2,  # the policy and its critic
+      worker=self.worker,
+    )
+    # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+    self.logprobs = parallel.on_mesh(
+      resources.mesh, online.logprobs_fn(config, resources.model.graphdef, self.packer)
+    )
+    values = jax.jit(functools.partial(critic_values, self.critic_graphdef))
+    self.steps = Steps(
+      update_fns.jit(self.memory_plan.budget, self.memory_plan.remat),
+      self.logprobs,
+      parallel.on_mesh(resources.mesh, common.with_packer(values, self.packer)),
+      jax.jit(functools.partial(L.gae, gamma=ppo.gamma, lam=ppo.lam)),
+    )
+
+  def new_state(self, params, tx):
     """Policy state with the reference, a critic built from `params` and the
     KL controller (at the start, and again when RL begins)."""
-    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if uses_ref else {}
-    critic_graphdef, critic_params = make_critic(config, resources, params, critic_key)
-    critic_graphdefs.append(critic_graphdef)
-    extra['critic'] = common.init_state(critic_params, critic_tx)
-    extra['kl_ctl'] = kl_ctl.init()
-    extra.update(online.reward_state(config.reward))
-    return setup.new_state(params, tx, resources.mesh, extra)
+    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if self.uses_ref else {}
+    self.critic_graphdef, critic_params = make_critic(
+      self.config, self.resources, params, self.critic_key
+    )
+    extra['critic'] = common.init_state(critic_params, self.critic_tx)
+    extra['kl_ctl'] = self.kl_ctl.init()
+    extra.update(online.reward_state(self.config.reward))
+    return setup.new_state(params, tx, self.resources.mesh, extra)
 
-  state = new_state(resources.params, setup.sft_optimizer(config)[0] if config.sft.steps else tx)
-  warmup = sft.warmup(resources, state, sft_batch)
-  shardings = setup.step_shardings(state, resources.mesh)
-  optimizers = ((tx, schedule), (critic_tx, critic_schedule))
-  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
-  worker, topo = online.finish(config, resources, rollout_mesh, rows, make_worker)
-  critic = (critic_graphdefs[0], state.extra['critic'].params)
+  def start_rl(self, state):
+    """A fresh optimiser, the policy as the reference, a new critic."""
+    return self.new_state(state.params, self.tx)
 
-  def probe_batch(tokens, mask, loss_mask):
-    put = lambda x: common.place_global(x, resources.batch_sharding)
-    z = put(np.zeros(tokens.shape, np.float32))
-    is_weights = put(np.ones(tokens.shape, np.float32)) if topo.staleness else None
-    valid = online.place_valid(np.ones(tokens.shape[0], bool), resources.batch_sharding)
-    return PPOBatch(put(tokens), put(mask), put(loss_mask), z, z, z, z, z, is_weights, valid=valid)
-
-  steps, packer, plan = memory_plan.planned_steps(
-    config,
-    resources,
-    state,
-    packer,
-    lambda remat, p: make_steps(config, resources, critic, optimizers, shardings, p, remat),
-    probe_batch,
-    models=2,  # the policy and its critic
-    worker=worker,
-  )
-
-  def batch(state, generated, old_logp, is_weights, metrics):
+  def batch(self, state, generated, old_logp, is_weights, metrics):
     """The critic's values, the KL-shaped token rewards, GAE (whitened) and
     the PPOBatch of a placed rollout; the rows left out (`generated.valid`)
     get no reward, advantage or return and count in no statistic."""
+    rl = self.config.rl
     mask = online.trained_mask(generated)
     beta = float(state.extra['kl_ctl'].coef)  # read before the state is donated
     kl = jnp.zeros_like(generated.old_logp)
     response = generated.batch.loss_mask  # the KL is measured on every response
-    if uses_ref:
+    if self.uses_ref:
       kl = L.kl_penalty(
         generated.old_logp, generated.ref_logp, estimator=rl.kl_estimator, mask=response
       )
     token_rewards = L.token_level_rewards(
-      jnp.asarray(generated.rewards), mask, kl=kl, kl_coef=beta if in_reward else 0.0
+      jnp.asarray(generated.rewards), mask, kl=kl, kl_coef=beta if self.kl_in_reward else 0.0
     )
     critic = state.extra['critic']
     old_values = common.minibatched(
-      steps.values, critic.params, generated.batch, rl.minibatch_size, resources.batch_sharding
+      self.steps.values,
+      critic.params,
+      generated.batch,
+      rl.minibatch_size,
+      self.resources.batch_sharding,
     )
-    adv, returns = steps.gae(token_rewards, old_values, mask)
+    adv, returns = self.steps.gae(token_rewards, old_values, mask)
     adv = L.whiten(adv, mask)
     metrics['actor/kl_coef'] = beta
     metrics['rollout/kl'] = float(L.token_mean(kl, response))
@@ -354,29 +370,18 @@ def build(
     )
     return full, adv
 
-  def after(state, generated, metrics):
+  def update(self, state, minibatch):
+    return self.steps.ppo(state, minibatch)
+
+  def after(self, state, generated, metrics):
     """The KL controller, updated by the KL the rollout measured."""
     del generated
+    rl = self.config.rl
     n = rl.prompts_per_step * rl.group_size
-    new_ctl = kl_ctl.update(state.extra['kl_ctl'], metrics['rollout/kl'], n)
+    new_ctl = self.kl_ctl.update(state.extra['kl_ctl'], metrics['rollout/kl'], n)
     return state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
-
-  return online.job(
-    config,
-    resources,
-    state,
-    worker=worker,
-    topo=topo,
-    warmup=warmup,
-    algorithm=online.Algorithm(batch, steps.ppo, after),
-    steps=steps,
-    packer=packer,
-    plan=plan,
-    uses_ref=uses_ref,
-    start_rl=lambda state: new_state(state.params, tx),
-  )
 
 
 ALGORITHM = checks.register(
-  checks.Algorithm('ppo', build, SECTIONS, steps_section='rl', online=True, standalone_eval=True)
+  checks.Algorithm('ppo', PPO, SECTIONS, steps_section='rl', online=True, standalone_eval=True)
 )

@@ -17,7 +17,7 @@ accuracy and margin are measured every `eval.every` iterations. The
 export (`export_hf`) is a Hugging Face `*ForSequenceClassification`
 directory that `reward.model_path` and `ppo.critic_path` read.
 
-An offline algorithm: `build` makes no sampler, no reward workers and no
+An offline algorithm: `RewardModel` makes no sampler, no reward workers and no
 topology.
 """
 
@@ -169,35 +169,43 @@ class Steps(NamedTuple):
   scores: Any  # (params, tokens, mask) -> [B] sequence scores
 
 
-def build(config):
+class RewardModel(controller.Job):
   """The job of reward-model training: `rm.steps` updates on
   `rm.pairs_per_step` pairs each, held-out pairwise accuracy every `eval.every`."""
-  resources, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
-  rm = config.rm
-  next_pairs, held_out = pair_sources(config, resources)
-  tx, schedule = setup.optimizer(config)
-  # The reward model (policy backbone + fresh scalar head) is what trains.
-  head_key = jax.random.PRNGKey(setup.seed(config.seed, 'rm_head'))
-  rm_graphdef, rm_params = setup.critic_from_policy(
-    resources.model.config, resources.params, head_key, resources.mesh
-  )
-  state = setup.new_state(rm_params, tx, resources.mesh)
-  rm_step = jax.jit(
-    functools.partial(
-      train_step, graphdef=rm_graphdef, tx=tx, schedule=schedule, center_coef=rm.center_coef
-    ),
-    donate_argnums=(0,),
-    out_shardings=setup.step_shardings(state, resources.mesh),
-  )
-  scores = jax.jit(functools.partial(models.sequence_scores, rm_graphdef))
-  # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
-  steps = Steps(parallel.on_mesh(resources.mesh, rm_step), parallel.on_mesh(resources.mesh, scores))
-  replicated = setup.step_shardings(state, resources.mesh)[1]
-  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
 
-  def iterate(state, it):
+  def __init__(self, config):
+    self.config = config
+    resources, _ = setup.start(config, SECTIONS)  # first: the checks name a missing section
+    self.resources = resources
+    rm = config.rm
+    self.next_pairs, self.held_out = pair_sources(config, resources)
+    tx, schedule = setup.optimizer(config)
+    # The reward model (policy backbone + fresh scalar head) is what trains.
+    head_key = jax.random.PRNGKey(setup.seed(config.seed, 'rm_head'))
+    rm_graphdef, rm_params = setup.critic_from_policy(
+      resources.model.config, resources.params, head_key, resources.mesh
+    )
+    self.state = setup.new_state(rm_params, tx, resources.mesh)
+    shardings = setup.step_shardings(self.state, resources.mesh)
+    rm_step = jax.jit(
+      functools.partial(
+        train_step, graphdef=rm_graphdef, tx=tx, schedule=schedule, center_coef=rm.center_coef
+      ),
+      donate_argnums=(0,),
+      out_shardings=shardings,
+    )
+    scores = jax.jit(functools.partial(models.sequence_scores, rm_graphdef))
+    # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+    self.steps = Steps(
+      parallel.on_mesh(resources.mesh, rm_step), parallel.on_mesh(resources.mesh, scores)
+    )
+    self.replicated = shardings[1]
+    self.packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+
+  def iterate(self, state, it):
+    resources, rm = self.resources, self.config.rm
     t_step = time.perf_counter()
-    pairs = next_pairs(rm.pairs_per_step, it)
+    pairs = self.next_pairs(rm.pairs_per_step, it)
     batch = pack_pairs(resources, pairs)
     margin = np.asarray(
       [float(p.get('margin', rm.margin)) for p in pairs], np.float32
@@ -205,24 +213,29 @@ def build(config):
     rows = common.place(
       common.SequenceBatch(batch.tokens, batch.mask, batch.mask), resources.batch_sharding
     )
-    rows = common.with_packed(rows, packer)
-    placed = PairBatch(rows.tokens, rows.mask, jax.device_put(margin, replicated), rows.packed)
+    rows = common.with_packed(rows, self.packer)
+    margin = jax.device_put(margin, self.replicated)
+    placed = PairBatch(rows.tokens, rows.mask, margin, rows.packed)
     start = time.perf_counter()
     with resources.tracer.span('update', iteration=it):
-      state, metrics = steps.rm(state, placed)
+      state, metrics = self.steps.rm(state, placed)
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics['time/update'] = time.perf_counter() - start
     metrics['time/step'] = time.perf_counter() - t_step
     metrics['phase'] = 1.0
     return state, signals.Report(metrics, signals.skipped(metrics, ('rm',)))
 
-  def evaluate(state):
+  def evaluate(self, state):
     """Held-out pairwise accuracy and mean margin."""
-    if not held_out:
+    if not self.held_out:
       return {}
-    with resources.tracer.span('eval'):
+    with self.resources.tracer.span('eval'):
       chosen, rejected = score_pairs(
-        resources, steps.scores, state.params, held_out, 2 * rm.pairs_per_step
+        self.resources,
+        self.steps.scores,
+        state.params,
+        self.held_out,
+        2 * self.config.rm.pairs_per_step,
       )
     return {
       'eval/pair_accuracy': float(np.mean(chosen > rejected)),
@@ -230,7 +243,7 @@ def build(config):
       'eval/reward_mean': float(np.mean(np.concatenate([chosen, rejected]))),
     }
 
-  return controller.Job(resources, state, iterate, evaluate, steps=steps)
 
-
-ALGORITHM = checks.register(checks.Algorithm('reward_model', build, SECTIONS, steps_section='rm'))
+ALGORITHM = checks.register(
+  checks.Algorithm('reward_model', RewardModel, SECTIONS, steps_section='rm')
+)

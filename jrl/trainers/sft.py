@@ -8,12 +8,11 @@ with a greedy sampler of its own, built at the first evaluation.
 """
 
 import time
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jrl import distributed, parallel
+from jrl import distributed
 from jrl import losses as L
 from jrl.trainers import checks, common, controller, engines, setup, signals
 from jrl.trainers.evaluation import held_out
@@ -78,46 +77,40 @@ def response_batch(resources, examples, iteration):
   return common.pack_sequences(prompts, responses, resources.seq_len, resources.tokenizer.pad_id)
 
 
-class Warmup(NamedTuple):
-  step: Any  # the jitted train_step
-  iterate: Any  # (state, iteration) -> (state, signals.Report)
-
-
-def warmup(resources, state, make_batch=response_batch):
+class Warmup:
   """The SFT iteration: `sft.batch_size` examples of the SFT stream, packed by
-  `make_batch(resources, examples, iteration)`, one update with the SFT optimiser."""
-  config = resources.config
-  tx, schedule = setup.sft_optimizer(config)
-  packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
-  model = dict(graphdef=resources.model.graphdef, chunk_size=config.train.chunk_size)
-  optim = dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum))
-  shardings = setup.step_shardings(state, resources.mesh)
-  step = common.jit_update(
-    (train_step, loss_and_grads, apply_update),
-    model,
-    optim,
-    shardings,
-    packer is not None and packer.budget,  # micro-batches of a token budget
-    ADDITIVE_METRICS,
-    TOKEN_SHARE,
-  )
-  step = parallel.on_mesh(resources.mesh, step)  # attention kernels per shard
-  size = config.sft.batch_size
-  rows = distributed.local_rows(resources.batch_sharding, size)
-  stream = resources.streams['sft_stream']
+  `make_batch(resources, examples, iteration)`, one update with the SFT
+  optimiser (`step`, jitted with the state's layout, the state donated)."""
 
-  def iterate(state, iteration):
-    batch = make_batch(resources, stream.next(size, rows), iteration)
+  def __init__(self, resources, state, make_batch=response_batch):
+    config = self.config = resources.config
+    self.resources, self.make_batch = resources, make_batch
+    tx, schedule = setup.sft_optimizer(config)
+    self.packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+    self.step = common.Update(
+      (train_step, loss_and_grads, apply_update),
+      model=dict(graphdef=resources.model.graphdef, chunk_size=config.train.chunk_size),
+      optim=dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum)),
+      shardings=setup.step_shardings(state, resources.mesh),
+      mesh=resources.mesh,
+      models={},
+      additive=ADDITIVE_METRICS,
+      token_share=TOKEN_SHARE,
+    ).jit(self.packer is not None and self.packer.budget)  # micro-batches of a token budget
+    self.rows = distributed.local_rows(resources.batch_sharding, config.sft.batch_size)
+    self.stream = resources.streams['sft_stream']
+
+  def iterate(self, state, iteration):
+    resources, size = self.resources, self.config.sft.batch_size
+    batch = self.make_batch(resources, self.stream.next(size, self.rows), iteration)
     start = time.perf_counter()
     with resources.tracer.span('sft_update', iteration=iteration):
       placed = common.place_rows(batch, resources.batch_sharding, size)
-      state, metrics = step(state, common.with_packed(placed, packer))
+      state, metrics = self.step(state, common.with_packed(placed, self.packer))
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics['time/update'] = time.perf_counter() - start
     metrics['phase'] = 0.0
     return state, signals.Report(metrics, signals.skipped(metrics, ('sft',)))
-
-  return Warmup(step, iterate)
 
 
 # The SFT algorithm ---------------------------------------------------------------
@@ -144,14 +137,24 @@ SECTION = checks.Section(
 SECTIONS = (SECTION, engines.SAMPLER)
 
 
-def build(config):
+class SFT(controller.Job):
   """The job of `algorithm='sft'`: `sft.steps` iterations, nothing else."""
-  resources, _ = setup.start(config, SECTIONS)
-  tx, _ = setup.sft_optimizer(config)
-  state = setup.new_state(resources.params, tx, resources.mesh)
-  phase = warmup(resources, state)
-  evaluate, close = held_out.held_out_evaluator(resources)
-  return controller.Job(resources, state, phase.iterate, evaluate, close=close, steps=phase)
+
+  def __init__(self, config):
+    self.resources, _ = setup.start(config, SECTIONS)
+    tx, _ = setup.sft_optimizer(config)
+    self.state = setup.new_state(self.resources.params, tx, self.resources.mesh)
+    self.warmup = Warmup(self.resources, self.state)
+    self.evaluator = held_out.Evaluator(self.resources)
+
+  def iterate(self, state, iteration):
+    return self.warmup.iterate(state, iteration)
+
+  def evaluate(self, state):
+    return self.evaluator(state)
+
+  def close(self):
+    self.evaluator.close()
 
 
-ALGORITHM = checks.register(checks.Algorithm('sft', build, SECTIONS, standalone_eval=True))
+ALGORITHM = checks.register(checks.Algorithm('sft', SFT, SECTIONS, standalone_eval=True))

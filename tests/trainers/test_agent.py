@@ -20,8 +20,8 @@ from jrl import trainers
 from jrl.envs import EnvPool, Step, TurnSampling
 from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
-from jrl.trainers import controller, episodes, ppo
-from tests.helpers import capture, set_fields
+from jrl.trainers import controller, episodes
+from tests.helpers import set_fields
 from tests.sampler import margins
 
 SHRINK = {
@@ -355,17 +355,16 @@ def test_agent_ppo_gae_bridges_environment_tokens(tmp_path, monkeypatch):
   config.agent.trainer = 'ppo'
   config.lock()
   seen = []
+  job = trainers.build(config)
+  gae = job.steps.gae
 
-  def record_gae(steps):
-    def recording_gae(rewards, values, mask):
-      adv, ret = steps.gae(rewards, values, mask)
-      seen.append((np.asarray(mask), np.asarray(adv)))
-      return adv, ret
+  def recording_gae(rewards, values, mask):
+    adv, ret = gae(rewards, values, mask)
+    seen.append((np.asarray(mask), np.asarray(adv)))
+    return adv, ret
 
-    return steps._replace(gae=recording_gae)
-
-  capture(monkeypatch, ppo, 'make_steps', record_gae)
-  state = trainers.run(config)
+  job.steps = job.steps._replace(gae=recording_gae)
+  state = controller.train(job)
   ((mask, adv),) = seen
   # Rows with an environment turn have masked positions between model tokens;
   # advantages are zero there and flow to the model tokens before them.

@@ -44,7 +44,6 @@ from tests.helpers import (
   REPO,
   SHRINK,
   assert_trees_equal,
-  capture,
   logged_steps,
   optim_config,
   records,
@@ -243,7 +242,7 @@ def test_jitted_steps_compile_once(kl_dynamic_run):
   """The first call (freshly initialised state) and later calls (the state the
   step returned) must hit the same compiled program."""
   _, _, job = kl_dynamic_run
-  warmup, steps = job.steps
+  warmup, steps = job.warmup, job.steps
   assert warmup.step._cache_size() == 1
   assert steps.rl._cache_size() == 1
 
@@ -260,16 +259,14 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
 
   monkeypatch.setattr(policy_step, 'policy_loss', nan_loss)  # only the RL phase uses it
   last = []  # the state the last RL update returned (its inputs are donated)
+  update = grpo.GRPO.update
 
-  def keep_last_state(steps):
-    def rl(state, batch):
-      state, metrics = steps.rl(state, batch)
-      last[:] = [state]
-      return state, metrics
+  def keep_last_state(self, state, batch):
+    state, metrics = update(self, state, batch)
+    last[:] = [state]
+    return state, metrics
 
-    return steps._replace(rl=rl)
-
-  capture(monkeypatch, grpo, 'make_steps', keep_last_state)
+  monkeypatch.setattr(grpo.GRPO, 'update', keep_last_state)
   config = shrunk_config(tmp_path, {**QUIET, 'max_nonfinite_steps': 2})
   ckdir = os.path.join(str(tmp_path), 'checkpoints')
   with pytest.raises(RuntimeError, match=r'non-finite .* skipped the update of actor\)') as info:

@@ -218,7 +218,7 @@ def first_steps(workdir, overrides):
     state, sft_m = job.iterate(job.state, 0)
     sft_m = sft_m.metrics
     state = job.start_rl(state)
-    _, steps = job.steps
+    steps = job.steps
     resources, rows = job.resources, config.rl.minibatch_size
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, resources.tokenizer.vocab_size, (rows, resources.seq_len), np.int32)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jrl import models, trainers
-from jrl.trainers import controller, memory_plan
+from jrl.trainers import common, controller, memory_plan
 from tests.helpers import QUIET, shrunk_config
 
 
@@ -73,8 +73,8 @@ def test_with_remat_changes_only_the_backward_memory():
     vocab_size=64, width=32, mlp_width=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
   )
   graphdef, params = models.create(config, jax.random.PRNGKey(0))
-  full = memory_plan.with_remat(graphdef, params, 'full')
-  assert memory_plan.with_remat(graphdef, params, 'none') is graphdef
+  full = common.with_remat(graphdef, params, 'full')
+  assert common.with_remat(graphdef, params, 'none') is graphdef
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 64)
 
   def loss(graphdef):
@@ -121,7 +121,7 @@ def test_a_short_limit_gives_micro_batches_then_remat_as_measured(tmp_path):
   assert (plan.remat, plan.budget) == first_fit == ('full', job.resources.seq_len)
   assert plan.need <= plan.limit <= limit
   assert plan.budget == 0 or plan.budget < config.rl.minibatch_size * job.resources.seq_len
-  _, steps = job.steps
+  steps = job.steps
   rl_step = getattr(steps.rl, 'fn', steps.rl)
   assert isinstance(rl_step, trainers.common.MicroBatchedStep) == (plan.budget > 0)
   state = job.start_rl(job.state) if config.sft.steps else job.state

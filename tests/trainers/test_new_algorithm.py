@@ -3,7 +3,7 @@
 `answer_nll` is an algorithm jrl does not have (the negative log-likelihood
 of the task's answers, scaled by `nll.coef`, with its own optimiser
 settings): its loss and step, its config section with its checks and
-defaults, its `build` and its record are all below, and the test registers
+defaults, its job and its record are all below, and the test registers
 it and runs it with nothing else in jrl or configs/ edited: the config gets
 its section from the record, the checks name its fields, the controller
 counts its steps, checkpoints it and writes its metrics.
@@ -75,37 +75,44 @@ SECTION = checks.Section(
 SECTIONS = (SECTION, engines.SAMPLER)  # the sampler: the held-out evaluation's
 
 
-# build(config): the run, set up --------------------------------------------------
+# Its job: the run, set up; one iteration -------------------------------------------
 
 
-def build(config):
-  resources, _ = setup.start(config, SECTIONS)
-  tx, schedule = optax.adam(config.nll.lr), optax.constant_schedule(config.nll.lr)
-  state = setup.new_state(resources.params, tx, resources.mesh)
-  model = resources.model.graphdef
-  step = jax.jit(
-    functools.partial(train_step, graphdef=model, tx=tx, schedule=schedule, coef=config.nll.coef),
-    donate_argnums=(0,),
-    out_shardings=setup.step_shardings(state, resources.mesh),
-  )
-  size, stream = config.nll.batch_size, resources.streams['rl_stream']
-  rows = distributed.local_rows(resources.batch_sharding, size)  # this process's
+class AnswerNLL(controller.Job):
+  def __init__(self, config):
+    self.config = config
+    self.resources, _ = setup.start(config, SECTIONS)
+    tx, schedule = optax.adam(config.nll.lr), optax.constant_schedule(config.nll.lr)
+    self.state = setup.new_state(self.resources.params, tx, self.resources.mesh)
+    model = self.resources.model.graphdef
+    self.step = jax.jit(
+      functools.partial(train_step, graphdef=model, tx=tx, schedule=schedule, coef=config.nll.coef),
+      donate_argnums=(0,),
+      out_shardings=setup.step_shardings(self.state, self.resources.mesh),
+    )
+    self.stream = self.resources.streams['rl_stream']
+    self.rows = distributed.local_rows(self.resources.batch_sharding, config.nll.batch_size)
+    self.evaluator = held_out.Evaluator(self.resources)
 
-  def iterate(state, iteration):
-    examples = stream.next(size, rows)
+  def iterate(self, state, iteration):
+    resources, size = self.resources, self.config.nll.batch_size
+    examples = self.stream.next(size, self.rows)  # this process's rows
     batch = sft.response_batch(resources, examples, iteration)  # prompt, answer, eos
     start = time.perf_counter()
-    state, metrics = step(state, common.place_rows(batch, resources.batch_sharding, size))
+    state, metrics = self.step(state, common.place_rows(batch, resources.batch_sharding, size))
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics['time/update'] = time.perf_counter() - start
     return state, signals.Report(metrics, signals.skipped(metrics, ('nll',)))
 
-  evaluate, close = held_out.held_out_evaluator(resources)
-  return controller.Job(resources, state, iterate, evaluate, close=close)
+  def evaluate(self, state):
+    return self.evaluator(state)
+
+  def close(self):
+    self.evaluator.close()
 
 
 ALGORITHM = checks.Algorithm(
-  'answer_nll', build, SECTIONS, steps_section='nll', standalone_eval=True
+  'answer_nll', AnswerNLL, SECTIONS, steps_section='nll', standalone_eval=True
 )
 
 

@@ -174,52 +174,52 @@ class HeldOut:
       self._scorer = None
 
 
-def held_out_evaluator(resources):
+class Evaluator:
   """`evaluate(state)` for the algorithms without a rollout worker: held-out
   accuracy with a greedy sampler of its own, built at the first evaluation
-  (never, with `eval.every` = 0 or no held-out examples); returns (evaluate,
-  close). Under fsdp it reads a copy of the parameters in the decode layout,
-  made per evaluation, where `sampler.decode_weights` says so (as a colocated
-  rollout does, `engines.decode_shardings`)."""
-  held_out = []
-  layout = []
+  (never, with `eval.every` = 0 or no held-out examples). Under fsdp it
+  reads a copy of the parameters in the decode layout, made per evaluation,
+  where `sampler.decode_weights` says so (as a colocated rollout does,
+  `engines.decode_shardings`)."""
 
-  def evaluate(state):
+  def __init__(self, resources):
+    self.resources = resources
+    self.held_out = None  # HeldOut, once built
+    self.layout = None  # the decode layout of the parameters (None: as trained)
+
+  def __call__(self, state):
+    resources = self.resources
     if not resources.task.held_out:
       return {}
-    if not held_out:
-      mode = resources.config.sampler.decode_weights
-      layout.append(
-        engines.decode_shardings(mode, resources.mesh, resources.model.config, state.params)
+    if self.held_out is None:
+      config = resources.config
+      self.layout = engines.decode_shardings(
+        config.sampler.decode_weights, resources.mesh, resources.model.config, state.params
       )
       engine = engines.build_engine(
-        resources.config,
+        config,
         resources.model,
         resources.mesh,
         resources.stop_tokens,
-        engines.eval_group_sizes(resources.config),
+        engines.eval_group_sizes(config),
       )
       engine.tracer = resources.tracer
-      held_out.append(
-        HeldOut(
-          resources.config,
-          resources.encoder,
-          resources.tokenizer,
-          resources.stop_tokens,
-          resources.task.held_out,
-          engine,
-          threading.Lock(),
-          resources.tracer,
-        )
+      self.held_out = HeldOut(
+        config,
+        resources.encoder,
+        resources.tokenizer,
+        resources.stop_tokens,
+        resources.task.held_out,
+        engine,
+        threading.Lock(),
+        resources.tracer,
       )
     params = state.params
-    if layout[0] is not None:
+    if self.layout is not None:
       with resources.tracer.span('reshard'):
-        params = jax.block_until_ready(jax.device_put(params, layout[0]))
-    return held_out[0].evaluate(params, step=int(state.step))
+        params = jax.block_until_ready(jax.device_put(params, self.layout))
+    return self.held_out.evaluate(params, step=int(state.step))
 
-  def close():
-    for h in held_out:
-      h.close()
-
-  return evaluate, close
+  def close(self):
+    if self.held_out is not None:
+      self.held_out.close()
