@@ -38,13 +38,34 @@ def make_state(seed, nan_at=None):
   tx = optax.adam(1e-2)
   grads = jax.tree.map(lambda p: jax.random.normal(key_g, p.shape), params)
   updates, opt_state = tx.update(grads, tx.init(params), params)
-  state = common.TrainState(jnp.int32(seed), optax.apply_updates(params, updates), opt_state, {})
+  state = common.TrainState(
+    jnp.int32(seed), optax.apply_updates(params, updates), opt_state, common.AlgorithmState()
+  )
   if nan_at is not None:
     adam = state.opt_state[0]
     moment = getattr(adam, nan_at)
     moment = {**moment, 'w': moment['w'].at[3, 5].set(jnp.nan)}
     state = state._replace(opt_state=(adam._replace(**{nan_at: moment}), *state.opt_state[1:]))
   return state
+
+
+def test_the_algorithm_state_is_saved_as_the_dict_it_was(tmp_path):
+  """`AlgorithmState` keeps only its fields set, under their names: a
+  checkpoint written when the train state's `extra` was a dict restores into
+  it, and a new one reads back as that dict."""
+  base = make_state(1)
+  ref = {'w': jnp.full((3,), 2.0)}
+  moments = (jnp.float32(4.0), jnp.float32(0.5), jnp.float32(1.5))
+  as_dict = base._replace(extra={'ref_params': ref, 'reward_moments': moments})
+  typed = base._replace(extra=common.AlgorithmState(ref_params=ref, reward_moments=moments))
+  assert typed.extra.present() == ('ref_params', 'reward_moments')
+  for step, written, target in ((1, as_dict, typed), (2, typed, as_dict)):
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path), async_save=False)
+    checkpointer.save(step, written, {'iteration': step})
+    restored, _ = checkpointer.restore(step, ckpt_lib.abstract_like(target))
+    checkpointer.close()
+    assert type(restored.extra) is type(target.extra)
+    assert_trees_equal(restored, target)
 
 
 def save_steps(directory, states, *, async_save=True):

@@ -2,6 +2,7 @@
 placement on the mesh), the minibatched forward, and the guarded optimiser
 update that skips non-finite steps."""
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -18,17 +19,51 @@ from jrl.models import lora
 from jrl.trainers import signals
 
 
+@jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass(frozen=True)
+class AlgorithmState:
+  """What an algorithm keeps beside the policy, checkpointed with it; a
+  field the algorithm does not use is None. As a pytree only the fields
+  set are children, under their names: a checkpoint holds them as the dict
+  {name: value} it always held, and restores into this type."""
+
+  ref_params: Any = None  # the reference policy's parameters (KL, DPO)
+  critic: Any = None  # PPO's critic: a TrainState of the value model
+  kl_ctl: Any = None  # PPO's KL controller (losses.KLControllerState)
+  reward_moments: Any = None  # `reward.normalize`'s running moments (rewards.shaping)
+
+  def present(self):
+    """The names of the fields set, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+
+  def replace(self, **fields):
+    return dataclasses.replace(self, **fields)
+
+  def tree_flatten_with_keys(self):
+    names = self.present()
+    return [(jax.tree_util.DictKey(n), getattr(self, n)) for n in names], names
+
+  def tree_flatten(self):
+    names = self.present()
+    return [getattr(self, n) for n in names], names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    return cls(**dict(zip(names, children, strict=True)))
+
+
 class TrainState(NamedTuple):
   """Everything that changes during training and must be checkpointed."""
 
   step: jax.Array  # [] int32: optimiser updates applied (skipped ones not counted)
   params: Any  # model parameters (nnx.State)
   opt_state: Any  # optax state
-  extra: Any  # algorithm state: KL controller, critic, reward normaliser ({} if none)
+  extra: AlgorithmState  # the algorithm's own state (reference, critic, KL controller, ...)
 
 
 def init_state(params, tx, extra=None):
-  return TrainState(jnp.int32(0), params, tx.init(params), {} if extra is None else extra)
+  extra = AlgorithmState() if extra is None else extra
+  return TrainState(jnp.int32(0), params, tx.init(params), extra)
 
 
 def place_on_mesh(tree, mesh):

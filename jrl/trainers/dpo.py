@@ -213,7 +213,8 @@ class DPO(controller.Job):
 
   def new_state(self, params, tx):
     """The reference is the policy when DPO begins (after the warm-up)."""
-    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if self.uses_ref else {}
+    ref = jax.tree.map(jnp.copy, params) if self.uses_ref else None
+    extra = common.AlgorithmState(ref_params=ref)
     return setup.new_state(params, tx, self.resources.mesh, extra)
 
   def start_rl(self, state):
@@ -240,7 +241,7 @@ class DPO(controller.Job):
     start = time.perf_counter()
     if self.uses_ref:
       ref = self.steps.reference(
-        state.extra['ref_params'],
+        state.extra.ref_params,
         placed.tokens,
         placed.mask,
         placed.loss_mask,

@@ -148,8 +148,10 @@ class GRPO(online.Run):
   def new_state(self, params, tx):
     """A train state of `params` with the optimiser `tx`, the reference (a
     copy of `params`) and the reward shaping's running moments."""
-    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if self.uses_ref else {}
-    extra.update(online.reward_state(self.config.reward))
+    extra = common.AlgorithmState(
+      ref_params=jax.tree.map(jnp.copy, params) if self.uses_ref else None,
+      reward_moments=online.reward_state(self.config.reward),
+    )
     return setup.new_state(params, tx, self.resources.mesh, extra)
 
   def start_rl(self, state):

@@ -193,21 +193,18 @@ def finish(config, resources, rollout_mesh, rows, make_worker):
   return worker, topology.make(config, worker, resources, rollout_mesh, checks.iterations(config))
 
 
-MOMENTS = 'reward_moments'  # the train state's `extra` entry of `reward.normalize`
-
-
 def reward_state(reward_config):
-  """What reward shaping keeps in the train state's `extra`: with
-  `reward.normalize` the running moments (`jrl.rewards.shaping`, as float32
-  scalars, checkpointed with the state), else nothing."""
+  """What reward shaping keeps in the train state (`AlgorithmState.reward_moments`):
+  with `reward.normalize` the running moments (`jrl.rewards.shaping`, as
+  float32 scalars, checkpointed with the state), else None."""
   if not reward_config.normalize:
-    return {}
-  return {MOMENTS: jax.tree.map(jnp.float32, reward_norm.init())}
+    return None
+  return jax.tree.map(jnp.float32, reward_norm.init())
 
 
 def shape_rewards(state, raw, reward_config, metrics, valid=None):
   """(state, shaped rewards [N]): `raw` [N] clipped (`reward.clip`), or with
-  `reward.normalize` normalised by the running moments in `state.extra`
+  `reward.normalize` normalised by the running moments in the state
   after this batch's rows that `valid` ([N] bool, None: all) keeps are
   folded in; the new moments go back into the state. Runs in the main
   thread in step order, so a resumed run shapes alike."""
@@ -216,14 +213,14 @@ def shape_rewards(state, raw, reward_config, metrics, valid=None):
     return state, reward_norm.clip_rewards(raw, clip)
   raw = np.asarray(raw)
   kept = np.ones(len(raw), bool) if valid is None else np.asarray(valid, bool)
-  held = state.extra[MOMENTS]
+  held = state.extra.reward_moments
   moments = reward_norm.update(reward_norm.RunningMoments(*map(float, held)), raw[kept])
   shaped = reward_norm.normalize(moments, raw, clip=clip)
   metrics['reward/running_mean'] = float(moments.mean)
   metrics['reward/running_std'] = reward_norm.std(moments)
   metrics['reward/shaped_mean'] = float(shaped[kept].mean()) if kept.any() else 0.0
   new = jax.tree.map(lambda x, old: jax.device_put(jnp.float32(x), old.sharding), moments, held)
-  return state._replace(extra={**state.extra, MOMENTS: new}), shaped
+  return state._replace(extra=state.extra.replace(reward_moments=new)), shaped
 
 
 def valid_rows(generated):
@@ -391,8 +388,7 @@ class Run(controller.Job):
   A subclass's constructor sets the run up (`start`, `finish`,
   `memory_plan.plan_update`) and sets `config`, `resources`, `state`,
   `warmup` (sft.Warmup), `worker`, `topology`, `logprobs` (the reference
-  and proximal passes), `packer`, `memory_plan` and `uses_ref` (whether
-  the state's `extra` holds reference parameters).
+  and proximal passes), `packer` and `memory_plan`.
   """
 
   def iterate(self, state, it):
@@ -414,7 +410,7 @@ class Run(controller.Job):
     state, shaped = shape_rewards(
       state, generated.rewards, config.reward, generated.metrics, valid_rows(generated)
     )
-    ref_params = state.extra['ref_params'] if self.uses_ref else None
+    ref_params = state.extra.ref_params
     generated = place_rollout(
       generated._replace(rewards=shaped), resources, self.logprobs, ref_params, rl.minibatch_size
     )

@@ -112,7 +112,7 @@ def loss_and_grads(state, batch, *, graphdef, critic_graphdef, step_config, valu
     state, pbatch, graphdef=graphdef, step_config=step_config
   )
   (vloss, vmetrics), vgrads = jax.value_and_grad(value_loss_fn, has_aux=True)(
-    state.extra['critic'].params, critic_graphdef, batch, value_clip
+    state.extra.critic.params, critic_graphdef, batch, value_clip
   )
   metrics.update(vmetrics)
   metrics['critic/vf_loss'] = vloss
@@ -125,12 +125,12 @@ def apply_update(state, grads, losses, metrics, *, tx, schedule, critic_tx, crit
   (loss, vloss), (grads, vgrads) = losses, grads
   state, opt_metrics = common.apply_gradients(state, grads, loss, tx, schedule)
   critic, copt = common.apply_gradients(
-    state.extra['critic'], vgrads, vloss, critic_tx, critic_schedule
+    state.extra.critic, vgrads, vloss, critic_tx, critic_schedule
   )
   metrics = dict(metrics)
   metrics.update({f'actor/{k}': v for k, v in opt_metrics.items()})
   metrics.update({f'critic/{k}': v for k, v in copt.items()})
-  return state._replace(extra={**state.extra, 'critic': critic}), metrics
+  return state._replace(extra=state.extra.replace(critic=critic)), metrics
 
 
 def train_step(
@@ -285,7 +285,7 @@ class PPO(online.Run):
 
     # The update: its memory plan chosen first, then the step jitted with it.
     shardings = setup.step_shardings(self.state, resources.mesh)
-    critic = (self.critic_graphdef, self.state.extra['critic'].params)
+    critic = (self.critic_graphdef, self.state.extra.critic.params)
     optimizers = ((self.tx, schedule), (self.critic_tx, critic_schedule))
     update_fns = make_update(config, resources, critic, optimizers, shardings)
     self.memory_plan, self.packer = memory_plan.plan_update(
@@ -313,13 +313,15 @@ class PPO(online.Run):
   def new_state(self, params, tx):
     """Policy state with the reference, a critic built from `params` and the
     KL controller (at the start, and again when RL begins)."""
-    extra = {'ref_params': jax.tree.map(jnp.copy, params)} if self.uses_ref else {}
     self.critic_graphdef, critic_params = make_critic(
       self.config, self.resources, params, self.critic_key
     )
-    extra['critic'] = common.init_state(critic_params, self.critic_tx)
-    extra['kl_ctl'] = self.kl_ctl.init()
-    extra.update(online.reward_state(self.config.reward))
+    extra = common.AlgorithmState(
+      ref_params=jax.tree.map(jnp.copy, params) if self.uses_ref else None,
+      critic=common.init_state(critic_params, self.critic_tx),
+      kl_ctl=self.kl_ctl.init(),
+      reward_moments=online.reward_state(self.config.reward),
+    )
     return setup.new_state(params, tx, self.resources.mesh, extra)
 
   def start_rl(self, state):
@@ -332,7 +334,7 @@ class PPO(online.Run):
     get no reward, advantage or return and count in no statistic."""
     rl = self.config.rl
     mask = online.trained_mask(generated)
-    beta = float(state.extra['kl_ctl'].coef)  # read before the state is donated
+    beta = float(state.extra.kl_ctl.coef)  # read before the state is donated
     kl = jnp.zeros_like(generated.old_logp)
     response = generated.batch.loss_mask  # the KL is measured on every response
     if self.uses_ref:
@@ -342,7 +344,7 @@ class PPO(online.Run):
     token_rewards = L.token_level_rewards(
       jnp.asarray(generated.rewards), mask, kl=kl, kl_coef=beta if self.kl_in_reward else 0.0
     )
-    critic = state.extra['critic']
+    critic = state.extra.critic
     old_values = common.minibatched(
       self.steps.values,
       critic.params,
@@ -378,8 +380,8 @@ class PPO(online.Run):
     del generated
     rl = self.config.rl
     n = rl.prompts_per_step * rl.group_size
-    new_ctl = self.kl_ctl.update(state.extra['kl_ctl'], metrics['rollout/kl'], n)
-    return state._replace(extra={**state.extra, 'kl_ctl': new_ctl})
+    new_ctl = self.kl_ctl.update(state.extra.kl_ctl, metrics['rollout/kl'], n)
+    return state._replace(extra=state.extra.replace(kl_ctl=new_ctl))
 
 
 ALGORITHM = checks.register(

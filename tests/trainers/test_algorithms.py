@@ -248,7 +248,7 @@ def test_grpo_family_variant_runs_with_finite_metrics(tmp_path, variant):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
   assert int(state.step) == rl.steps * b * rl.group_size // rl.minibatch_size
 
-  assert ('ref_params' in state.extra) == (rl.kl_coef > 0)
+  assert (state.extra.ref_params is not None) == (rl.kl_coef > 0)
   if variant == 'dr_grpo':
     # r - mean(group), unscaled: |A| <= 1 for rewards in [0, 1].
     assert all(max(r['advantages/max'], -r['advantages/min']) <= 1.0 + 1e-6 for r in rl_recs)
@@ -317,7 +317,7 @@ def test_ppo_logs_critic_and_kl_metrics(ppo_run):
   assert max(r['rollout/kl'] for r in rl_recs[1:]) > 0
 
   # Adaptive KL: β starts at rl.kl_coef and follows the controller every step.
-  coefs = [r['actor/kl_coef'] for r in rl_recs] + [float(state.extra['kl_ctl'].coef)]
+  coefs = [r['actor/kl_coef'] for r in rl_recs] + [float(state.extra.kl_ctl.coef)]
   assert coefs[0] == pytest.approx(rl.kl_coef, rel=1e-6)
   assert len(set(coefs)) == len(coefs), coefs
   n = rl.prompts_per_step * rl.group_size
@@ -331,15 +331,15 @@ def test_ppo_checkpoint_holds_the_critic(ppo_run):
   rl = config.rl
   saved, meta = restore_latest(workdir, state)
   assert meta['iteration'] == config.sft.steps + rl.steps
-  assert set(saved.extra) == {'ref_params', 'critic', 'kl_ctl'}
+  assert saved.extra.present() == ('ref_params', 'critic', 'kl_ctl')
   assert_trees_equal(saved, state)
-  critic = saved.extra['critic']
+  critic = saved.extra.critic
   assert 'score' in critic.params and 'score' not in saved.params
   # One critic update per policy update: epochs x minibatches per iteration.
   updates = rl.steps * rl.epochs * rl.prompts_per_step * rl.group_size // rl.minibatch_size
   assert int(critic.step) == int(saved.step) == updates
   # The critic's backbone started as the warmed-up policy's (the reference) and trained.
-  assert trees_differ(critic.params['embed'], saved.extra['ref_params']['embed'])
+  assert trees_differ(critic.params['embed'], saved.extra.ref_params['embed'])
 
 
 def test_ppo_resumes_to_the_same_result(ppo_run, tmp_path, capsys):
@@ -373,7 +373,7 @@ def test_ppo_with_kl_in_the_loss(tmp_path):
   assert all('rollout/kl' in r and 'critic/vf_loss' in r for r in rl_recs)
   # The KL to the reference is in the policy loss: zero before the first update only.
   assert max(r['actor/kl_ref'] for r in rl_recs) > 0
-  assert 'ref_params' in state.extra and 'critic' in state.extra
+  assert state.extra.ref_params is not None and state.extra.critic is not None
 
 
 # 3. Learning on easy set-ups -------------------------------------------------------------
@@ -493,14 +493,14 @@ def test_dpo_family_from_jsonl(tmp_path, pairs_path, loss, monkeypatch):
   assert meta['streams']['dpo_stream'] == {'position': steps * d.pairs_per_step}
 
   if loss in REFERENCE_FREE:
-    assert 'ref_params' not in state.extra
+    assert state.extra.ref_params is None
     assert not calls
     return
   assert len(calls) == steps
   # The reference is the policy after the warm-up: at the first step the
   # policy is the reference, so every implicit reward is 0.
   warm, _ = restore_step(tmp_path, sft_steps, state)
-  assert_trees_equal(state.extra['ref_params'], warm.params)
+  assert_trees_equal(state.extra.ref_params, warm.params)
   assert trees_differ(state.params, warm.params)
   first = recs[0]
   assert first['rewards/margins'] == pytest.approx(0.0, abs=1e-5)
@@ -628,7 +628,7 @@ def test_grpo_qwen_runs_on_a_hugging_face_checkpoint(qwen_run):
   # The KL to the reference (the loaded checkpoint) is in the loss.
   assert max(r['actor/kl_ref'] for r in recs[1:]) > 0
   loaded = hf_lib.load(config.model.path)
-  assert_trees_equal(hf_lib.to_host(state.extra['ref_params']), hf_lib.to_host(loaded.params))
+  assert_trees_equal(hf_lib.to_host(state.extra.ref_params), hf_lib.to_host(loaded.params))
 
 
 def test_grpo_qwen_export_loads_in_transformers_with_the_same_logits(qwen_run):

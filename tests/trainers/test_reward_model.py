@@ -115,7 +115,7 @@ def test_ppo_against_the_reward_model_with_normalisation(pipeline):
   )
   job = trainers.build(config)
   # The critic starts as the reward model.
-  critic = nnx.to_pure_dict(job.state.extra['critic'].params)
+  critic = nnx.to_pure_dict(job.state.extra.critic.params)
   rm = hf.to_host(hf.load(pipeline['rm_export'], lm_head=False, scalar_head=True).params)
   np.testing.assert_array_equal(np.asarray(critic['score']['kernel']).T, rm['score.weight'])
   state = controller.train(job)
@@ -132,7 +132,7 @@ def test_ppo_against_the_reward_model_with_normalisation(pipeline):
   assert jax.tree.leaves(state.params)
   # The running moments live in the train state: both steps' rewards folded
   # in, and checkpointed with it, so a resumed run normalises alike.
-  moments = state.extra['reward_moments']
+  moments = state.extra.reward_moments
   assert float(moments.count) == 2 * rows
   np.testing.assert_allclose(float(moments.mean), last['reward/running_mean'], rtol=1e-6)
   saved, meta = restore(str(root / 'ppo'))
@@ -146,21 +146,22 @@ def test_reward_moments_fold_batch_by_batch_in_the_train_state():
   those of both batches at once, and each batch is normalised by the moments
   that include it."""
   reward_config = ml_collections.ConfigDict({'normalize': True, 'clip': 0.0})
-  state = common.TrainState(jnp.int32(0), {}, (), online.reward_state(reward_config))
+  extra = common.AlgorithmState(reward_moments=online.reward_state(reward_config))
+  state = common.TrainState(jnp.int32(0), {}, (), extra)
   rng = np.random.default_rng(0)
   first, second = rng.normal(3.0, 2.0, 16), rng.normal(-1.0, 0.5, 8)
   m = {}
   state, _ = online.shape_rewards(state, first, reward_config, m)
   state, shaped = online.shape_rewards(state, second, reward_config, m)
   both = np.concatenate([first, second])
-  count, mean, m2 = (float(x) for x in state.extra['reward_moments'])
+  count, mean, m2 = (float(x) for x in state.extra.reward_moments)
   assert count == both.size
   np.testing.assert_allclose([mean, m2 / count], [both.mean(), both.var()], rtol=1e-6)
   np.testing.assert_allclose(shaped, (second - both.mean()) / both.std(), rtol=1e-5, atol=1e-6)
   assert m['reward/running_std'] == pytest.approx(both.std(), rel=1e-6)
   # Without normalisation only the clip applies, and the state holds nothing.
   plain = ml_collections.ConfigDict({'normalize': False, 'clip': 1.0})
-  assert online.reward_state(plain) == {}
+  assert online.reward_state(plain) is None
   _, clipped = online.shape_rewards(state, first, plain, {})
   np.testing.assert_array_equal(clipped, np.clip(first, -1, 1).astype(np.float32))
 

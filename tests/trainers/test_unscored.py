@@ -144,7 +144,8 @@ def test_ppo_leaves_a_left_out_row_out_of_the_policy_and_the_value_loss(model):
     is_weights=pb.is_weights,
   )
   tx = optax.sgd(1.0)
-  state = common.init_state(params, tx, {'critic': common.init_state(critic_params, tx)})
+  critic = common.init_state(critic_params, tx)
+  state = common.init_state(params, tx, common.AlgorithmState(critic=critic))
   step = jax.jit(
     lambda state, batch: ppo.loss_and_grads(
       state,
@@ -214,7 +215,8 @@ def test_a_group_with_at_most_one_scored_reward_or_tied_scored_rewards_has_no_si
 
 def test_running_reward_moments_fold_in_only_the_rows_kept(tmp_path):
   config = shrunk_config(tmp_path, {'reward.normalize': True})
-  state = common.TrainState(jnp.int32(0), {}, (), online.reward_state(config.reward))
+  extra = common.AlgorithmState(reward_moments=online.reward_state(config.reward))
+  state = common.TrainState(jnp.int32(0), {}, (), extra)
   raw = np.array([1.0, 0.0, -5.0, 3.0], np.float32)
   valid = np.array([True, True, False, True])
   got_state, shaped = online.shape_rewards(state, raw, config.reward, {}, valid)
