@@ -398,7 +398,7 @@ def sampler_section():
   """The paged sampler: rollouts, and held-out generation of a policy."""
   s = ml_collections.ConfigDict()
   # 'jrl' (this paged sampler, reading the trainer's parameters in place) or an
-  # import path 'package.module:make_engine' (jrl/trainers/contracts.py: Engine)
+  # import path 'package.module:make_engine' (jrl/trainers/rollouts/contracts.py: Engine)
   s.engine = 'jrl'
   s.num_slots = 64  # sequences decoded together
   s.page_size = 8  # tokens per KV page
@@ -479,7 +479,7 @@ def reward_section():
 
 
 def topology_section():
-  """Where the sampler runs relative to the trainer (jrl/trainers/topology.py)."""
+  """Where the sampler runs relative to the trainer (jrl/trainers/rollouts/topology.py)."""
   s = ml_collections.ConfigDict()
   s.kind = 'colocated'  # 'colocated' | 'disaggregated' | 'one_step_off' | 'async'
   s.rollout_devices = 0  # disaggregated / one_step_off / async: the last N devices sample
@@ -607,8 +607,9 @@ def ppo_section():
 def agent_section():
   """The `agent` fields of multi-turn (tool-use) configs."""
   a = ml_collections.ConfigDict()
-  # a name in jrl.trainers.episodes.ENVIRONMENTS, or an import path 'package.module:factory'
-  # of factory(tokenizer) -> jrl.envs.Environment (docs/your_own_environment.md)
+  # a name in jrl.trainers.rollouts.episodes.ENVIRONMENTS, or an import path
+  # 'package.module:factory' of factory(tokenizer) -> jrl.envs.Environment
+  # (docs/your_own_environment.md)
   a.env = 'arith_tool'
   a.trainer = 'grpo'  # 'grpo' (rl.advantage) or 'ppo' (critic + GAE; add a `ppo` section)
   a.max_turns = 4  # tool calls per trajectory before it is ended

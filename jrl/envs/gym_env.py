@@ -16,7 +16,7 @@ text (the turn's end token removed) is the action. Step rewards are summed
 into the episode's reward; `terminated` or `truncated` ends the episode
 (the final observation is not shown: nothing follows it). An environment
 that raises ends only its own episode ('env_error', unscored: see
-`jrl.trainers.episodes`).
+`jrl.trainers.rollouts.episodes`).
 
 Seeds. An episode's seed comes from its example (`episode_seed`): the
 example's 'seed' field, else a stable hash of the example. The same

@@ -54,7 +54,7 @@ Where the environment runs:
 path) under uvicorn on 127.0.0.1 in a process of its own.
 
 Failures end only their own episode, unscored ('env_error', see
-`jrl.trainers.episodes`): an environment that raises; a server that does not
+`jrl.trainers.rollouts.episodes`): an environment that raises; a server that does not
 answer within `step_timeout_s`; a server that died (the episodes it held
 fail at their next step; a reset that cannot connect fails that episode
 before its first turn). Episodes on other servers, or in process, go on.

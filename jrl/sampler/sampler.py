@@ -296,7 +296,7 @@ class Sampler:
     self.stats.swap_seconds += time.perf_counter() - start
     return weights, state
 
-  # The engine contract (jrl.trainers.contracts.Engine) --------------------------
+  # The engine contract (jrl.trainers.rollouts.contracts.Engine) --------------------------
 
   def load_weights(self, params, version):
     """The weights `generate` reads for the policy's version `version`: the

@@ -5,11 +5,12 @@ The update is GRPO's (`agent.trainer='grpo'`, the family of `rl.advantage`)
 or PPO's (`'ppo'`: a critic and GAE, which carries values across the
 environment's tokens, outside the loss mask). What differs from them is
 composed in, not inherited: the rollout worker is the episode runner
-(`jrl.trainers.episodes.EpisodeWorker`) and the SFT warm-up trains on
+(`jrl.trainers.rollouts.episodes.EpisodeWorker`) and the SFT warm-up trains on
 tool-use demonstrations (`episodes.demonstration_batch`).
 """
 
-from jrl.trainers import checks, episodes, grpo, ppo
+from jrl.trainers import checks, grpo, ppo
+from jrl.trainers.rollouts import episodes
 
 TRAINERS = {'grpo': grpo.GRPO, 'ppo': ppo.PPO}
 # What an agent run reads besides the shared sections (with `agent.trainer='ppo'`

@@ -53,7 +53,7 @@ class Job:
 
   resources: setup.Resources
   state: common.TrainState
-  topology: Any = None  # jrl.trainers.topology strategy (online algorithms)
+  topology: Any = None  # jrl.trainers.rollouts.topology strategy (online algorithms)
   memory_plan: Any = None  # memory_plan.Plan of the update (online algorithms)
 
   def iterate(self, state, iteration):

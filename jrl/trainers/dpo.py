@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from jrl import losses as L
 from jrl import parallel
 from jrl.data import PromptStream, read_preference_jsonl, tasks
-from jrl.trainers import checks, common, controller, engines, setup, sft, signals
+from jrl.trainers import checks, common, controller, setup, sft, signals
 from jrl.trainers.evaluation import held_out
+from jrl.trainers.rollouts import engines
 
 DPO_LOSSES = ('dpo', 'ipo', 'hinge', 'simpo', 'orpo')
 _REFERENCE_FREE = ('simpo', 'orpo')

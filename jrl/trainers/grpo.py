@@ -31,17 +31,8 @@ import numpy as np
 
 from jrl import losses as L
 from jrl import parallel
-from jrl.trainers import (
-  checks,
-  common,
-  distill,
-  memory_plan,
-  online,
-  policy_step,
-  rollout,
-  setup,
-  sft,
-)
+from jrl.trainers import checks, common, distill, memory_plan, online, policy_step, setup, sft
+from jrl.trainers.rollouts import rollout
 
 
 class Steps(NamedTuple):

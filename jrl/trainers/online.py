@@ -18,20 +18,8 @@ from jrl import distributed
 from jrl import losses as L
 from jrl.data import layouts
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import (
-  checks,
-  common,
-  contracts,
-  controller,
-  correction,
-  engines,
-  policy_step,
-  rollout,
-  setup,
-  sft,
-  signals,
-  topology,
-)
+from jrl.trainers import checks, common, controller, policy_step, setup, sft, signals
+from jrl.trainers.rollouts import contracts, correction, engines, rollout, topology
 
 
 def check_rl(config, batch_shards):

@@ -30,17 +30,9 @@ import numpy as np
 from jrl import losses as L
 from jrl import models, parallel
 from jrl.models import hf as hf_lib
-from jrl.trainers import (
-  checks,
-  common,
-  memory_plan,
-  online,
-  policy_step,
-  rollout,
-  setup,
-  sft,
-)
+from jrl.trainers import checks, common, memory_plan, online, policy_step, setup, sft
 from jrl.trainers.optim import make_optimizer
+from jrl.trainers.rollouts import rollout
 
 
 class PPOBatch(NamedTuple):

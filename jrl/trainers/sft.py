@@ -14,8 +14,9 @@ import jax.numpy as jnp
 
 from jrl import distributed
 from jrl import losses as L
-from jrl.trainers import checks, common, controller, engines, setup, signals
+from jrl.trainers import checks, common, controller, setup, signals
 from jrl.trainers.evaluation import held_out
+from jrl.trainers.rollouts import engines
 
 
 def sft_loss(params, graphdef, batch, chunk_size=1024):

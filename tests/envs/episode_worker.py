@@ -1,4 +1,4 @@
-"""The agent trainer's episode worker (`jrl.trainers.episodes.EpisodeWorker`)
+"""The agent trainer's episode worker (`jrl.trainers.rollouts.episodes.EpisodeWorker`)
 on a tiny random chat checkpoint (ChatML, a character-level tokenizer), for
 tests that drive an environment adapter's episodes through the real
 sampler: `worker.make_env` is replaced by the environment under test.

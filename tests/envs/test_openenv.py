@@ -30,7 +30,7 @@ from jrl.envs.openenv_env import (
   text_action,
 )
 from jrl.models import tokenizer as T
-from jrl.trainers import episodes
+from jrl.trainers.rollouts import episodes
 from tests.envs import episode_worker
 from tests.envs.episode_worker import HandWritten
 from tests.envs.openenv_guess import (

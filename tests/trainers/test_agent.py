@@ -20,7 +20,8 @@ from jrl import trainers
 from jrl.envs import EnvPool, Step, TurnSampling
 from jrl.envs.arith import make_env as make_arith_env
 from jrl.metrics import read_jsonl
-from jrl.trainers import controller, episodes
+from jrl.trainers import controller
+from jrl.trainers.rollouts import episodes
 from tests.helpers import set_fields
 from tests.sampler import margins
 

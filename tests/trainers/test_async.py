@@ -1,5 +1,5 @@
 """`topology.kind='async'`: rollouts generated up to k = `topology.max_staleness`
-iterations ahead (jrl/trainers/topology.py, `StepsOff`), with k = 2 here:
+iterations ahead (jrl/trainers/rollouts/topology.py, `StepsOff`), with k = 2 here:
 the staleness schedule, the corrections of stale rollouts (chosen by
 `topology.is_*`), and an exact resume with rollouts of two policy versions
 in flight."""
@@ -20,7 +20,7 @@ import pytest
 from jrl import checkpoint as ckpt_lib
 from jrl import losses, trainers
 from jrl.losses import off_policy
-from jrl.trainers import correction, topology
+from jrl.trainers.rollouts import correction, topology
 from tests.helpers import (
   REPO,
   SHRINK,
@@ -266,7 +266,7 @@ def killed_runs(tmp_path_factory):
     ('jrl.trainers.online:run_minibatches', 2),
     ('jrl.checkpoint:Checkpointer.save', 2),
     ('jrl.sampler.sampler:Sampler._swap', 3),
-    ('jrl.trainers.topology:StepsOff.publish', 2),
+    ('jrl.trainers.rollouts.topology:StepsOff.publish', 2),
   ]:
     env = train_env(cache, KILL_IN=target, KILL_AT_CALL=str(call))
     proc = subprocess.run(

@@ -19,7 +19,8 @@ import pytest
 from configs import agent_arith
 from jrl import trainers
 from jrl.envs import arith
-from jrl.trainers import controller, episodes
+from jrl.trainers import controller
+from jrl.trainers.rollouts import episodes
 from tests.helpers import set_fields, write_tiny_chat_model
 
 

@@ -37,8 +37,9 @@ from jrl import checkpoint as ckpt_lib
 from jrl import losses as L
 from jrl import metrics as metrics_lib
 from jrl import models, rewards, trainers
-from jrl.trainers import common, controller, grpo, policy_step, rollout, signals
+from jrl.trainers import common, controller, grpo, policy_step, signals
 from jrl.trainers.optim import make_optimizer
+from jrl.trainers.rollouts import rollout
 from tests.helpers import (
   QUIET,
   REPO,

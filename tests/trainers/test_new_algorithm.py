@@ -21,8 +21,9 @@ from configs import common as config_common
 from configs import grpo_arith
 from jrl import distributed, trainers
 from jrl import losses as L
-from jrl.trainers import checks, common, controller, engines, setup, sft, signals
+from jrl.trainers import checks, common, controller, setup, sft, signals
 from jrl.trainers.evaluation import held_out, standalone
+from jrl.trainers.rollouts import engines
 from tests.helpers import QUIET, records, set_fields
 
 # The update: pure functions, jitted at the boundary ---------------------------------

@@ -10,7 +10,7 @@ import pytest
 from configs import agent_arith, dpo_arith, grpo_arith, ppo_arith, sft_arith
 from jrl import trainers
 from jrl.models import attention_kernels
-from jrl.trainers import episodes
+from jrl.trainers.rollouts import episodes
 from tests.helpers import QUIET, records, set_fields
 
 # A run: packing changes nothing but the rows ------------------------------------

@@ -24,7 +24,8 @@ from jrl.metrics import read_jsonl
 from jrl.models import hf
 from jrl.models.tokenizer import load_tokenizer
 from jrl.rewards.model import RewardModel
-from jrl.trainers import common, controller, online, rollout
+from jrl.trainers import common, controller, online
+from jrl.trainers.rollouts import rollout
 from tests.helpers import QUIET, restore, shrunk_config
 
 

@@ -25,7 +25,8 @@ import pytest
 from jrl import costmodel, parallel, trainers
 from jrl import models as M
 from jrl.sampler import Request, Sampler, SamplerConfig
-from jrl.trainers import controller, engines
+from jrl.trainers import controller
+from jrl.trainers.rollouts import engines
 from tests.helpers import QUIET, records, shrunk_config
 from tests.sampler import margins
 

@@ -9,34 +9,27 @@ from configs import common as config_common
 from configs import dpo_arith, sft_arith
 from jrl import rewards, sampler, trainers
 from jrl.rewards import server
-from jrl.trainers import (
-  agent,
-  checks,
-  controller,
-  dpo,
-  grpo,
-  ppo,
-  reward_model,
-  rollout,
-  sft,
-  topology,
-)
+from jrl.trainers import agent, checks, controller, dpo, grpo, ppo, reward_model, sft
+from jrl.trainers.rollouts import rollout, topology
 from tests.helpers import QUIET, records, set_fields, shrunk_config
 
 
 def test_registry_holds_one_record_per_algorithm():
+  # Each module's record, and the job it builds (the agent picks GRPO's or PPO's).
   modules = {
-    'grpo': grpo,
-    'ppo': ppo,
-    'dpo': dpo,
-    'sft': sft,
-    'reward_model': reward_model,
-    'agent': agent,
+    'grpo': (grpo, grpo.GRPO),
+    'ppo': (ppo, ppo.PPO),
+    'dpo': (dpo, dpo.DPO),
+    'sft': (sft, sft.SFT),
+    'reward_model': (reward_model, reward_model.RewardModel),
+    'agent': (agent, agent.build),
   }
   assert set(trainers.ALGORITHMS) == set(modules)
-  for name, module in modules.items():
+  for name, (module, build) in modules.items():
     record = trainers.ALGORITHMS[name]
-    assert record is module.ALGORITHM and record.name == name and record.build is module.build
+    assert record is module.ALGORITHM and record.name == name and record.build is build
+    if isinstance(build, type):
+      assert issubclass(build, controller.Job)
   assert {n for n, a in trainers.ALGORITHMS.items() if a.online} == {'grpo', 'ppo', 'agent'}
   steps = {n: a.steps_section for n, a in trainers.ALGORITHMS.items()}
   assert steps == {

@@ -18,7 +18,8 @@ from configs import common as config_common
 from jrl import checkpoint as ckpt_lib
 from jrl import trainers
 from jrl.metrics import read_jsonl
-from jrl.trainers import controller, topology
+from jrl.trainers import controller
+from jrl.trainers.rollouts import topology
 from tests.helpers import QUIET, assert_trees_equal, shrunk_config
 from tests.trainers.test_agent import agent_config
 

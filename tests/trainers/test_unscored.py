@@ -17,7 +17,8 @@ import pytest
 from jrl import losses as L
 from jrl import models, parallel, rewards, trainers
 from jrl.rewards.base import ScoredBatch, scored_rows
-from jrl.trainers import common, online, policy_step, ppo, rollout
+from jrl.trainers import common, online, policy_step, ppo
+from jrl.trainers.rollouts import rollout
 from tests.helpers import QUIET, jit_token_logprobs, records, shrunk_config, step_config
 from tests.trainers.test_layouts import TINY, group_batch, parts_of
 

@@ -12,7 +12,8 @@ from jrl import trainers
 from jrl.data import tasks
 from jrl.envs import run_step
 from jrl.models.tokenizer import CharTokenizer
-from jrl.trainers import contracts, controller, episodes
+from jrl.trainers import controller
+from jrl.trainers.rollouts import contracts, episodes
 from tests import user_code
 from tests.helpers import QUIET, records, shrunk_config
 from tests.trainers.test_agent import agent_config

@@ -1,4 +1,4 @@
-"""vLLM behind jrl's rollout-engine contract (`jrl.trainers.contracts.Engine`).
+"""vLLM behind jrl's rollout-engine contract (`jrl.trainers.rollouts.contracts.Engine`).
 
     config.sampler.engine = 'vllm'   # short for 'third_party.vllm.engine:make_engine'
     config.sampler.vllm.kv_space_gib = 4      # GiB: the CPU build's KV cache
@@ -259,7 +259,7 @@ def cpu_head_sizes():
 
 
 def make_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
-  """`sampler.engine='vllm'`: the factory `jrl.trainers.engines.build_engine` calls."""
+  """`sampler.engine='vllm'`: the factory `jrl.trainers.rollouts.engines.build_engine` calls."""
   del mesh, stop_tokens, group_sizes  # vLLM places itself; stop tokens come per request
   if engine_overrides:
     raise ValueError(

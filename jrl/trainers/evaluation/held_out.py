@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 from jrl import distributed, rewards, sampler
-from jrl.trainers import engines
 from jrl.trainers.evaluation import scores
+from jrl.trainers.rollouts import engines
 from jrl.trainers.setup import seed
 
 EXAMPLES_FILE = 'eval_samples.jsonl'

@@ -40,8 +40,9 @@ import jax.numpy as jnp
 
 from jrl import checkpoint, distributed, parallel, trace
 from jrl.data import ANSWER_EXTRACTORS, read_prompts, tasks
-from jrl.trainers import checks, engines, setup
+from jrl.trainers import checks, setup
 from jrl.trainers.evaluation.held_out import EXAMPLES_FILE, HeldOut
+from jrl.trainers.rollouts import engines
 
 # The reward model (pairwise accuracy) and the agent (tool-use episodes, task
 # 'arith_tool') are evaluated by their own trainers; an algorithm says whether

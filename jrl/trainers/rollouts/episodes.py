@@ -2,7 +2,7 @@
 
 `EpisodeWorker` implements the rollout worker's interface
 (`sample(params, iteration) -> Rollout`, `evaluate(params)`, `close()`; see
-`jrl.trainers.rollout`) by running one environment (`jrl.envs`) per sample.
+`jrl.trainers.rollouts.rollout`) by running one environment (`jrl.envs`) per sample.
 The sampler generates a model turn until a turn-ending token (a tool call's
 closing `}`) or end of sequence; the environment answers with tokens that
 the sampler appends on the sequence's cached pages; this repeats until the
@@ -52,8 +52,9 @@ import numpy as np
 from jrl import plugins, sampler
 from jrl.envs import arith as arith_env
 from jrl.envs.base import FINISH_REASONS, EnvPool, TurnSampling
-from jrl.trainers import checks, common, engines, rollout, signals
+from jrl.trainers import checks, common, signals
 from jrl.trainers.evaluation.held_out import decode
+from jrl.trainers.rollouts import engines, rollout
 from jrl.trainers.setup import seed
 
 # Finish reasons that are the environment's failure, not the model's: unscored.

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jrl import checkpoint as ckpt_lib
 from jrl import models, parallel
 from jrl.losses import off_policy
-from jrl.trainers import checks, engines
+from jrl.trainers import checks
+from jrl.trainers.rollouts import engines
 
 KINDS = ('colocated', 'disaggregated', 'one_step_off', 'async')
 

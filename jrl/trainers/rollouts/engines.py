@@ -4,7 +4,8 @@ factory named by import path; and the checks of the `sampling` and
 `sampler` sections."""
 
 from jrl import models, parallel, plugins, sampler
-from jrl.trainers import checks, contracts
+from jrl.trainers import checks
+from jrl.trainers.rollouts import contracts
 
 
 def eval_group_sizes(config):
@@ -79,7 +80,7 @@ def build_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_ov
     raise ValueError(
       f'`sampler.engine` {name!r} made a {type(engine).__name__}, which is no engine: it needs '
       '`generate(params, requests, *, group_size, share_prompt, on_turn_end)`, `stats` and '
-      '`tracer` (jrl.trainers.contracts.Engine).'
+      '`tracer` (jrl.trainers.rollouts.contracts.Engine).'
     )
   return engine
 

@@ -7,9 +7,9 @@ the reward service behind one interface,
     worker.evaluate(params, step) -> {'eval/accuracy': ...}      # held-out (held_out.py)
     worker.close()
 
-The agent's episode runner (`jrl.trainers.episodes.EpisodeWorker`) is a
+The agent's episode runner (`jrl.trainers.rollouts.episodes.EpisodeWorker`) is a
 second implementation of the same interface. A topology
-(`jrl.trainers.topology`) decides which parameters a worker samples with and
+(`jrl.trainers.rollouts.topology`) decides which parameters a worker samples with and
 when; the algorithm never calls the sampler itself.
 
 `Rollout` is the one container of a generated batch: the worker fills the
@@ -38,8 +38,9 @@ from jrl.rewards import shaping as reward_norm
 from jrl.rewards.base import scored_rows
 from jrl.rewards.format import overlong_penalty
 from jrl.rewards.server import RemoteRewardService
-from jrl.trainers import checks, common, engines, signals
+from jrl.trainers import checks, common, signals
 from jrl.trainers.evaluation.held_out import HeldOut, decode
+from jrl.trainers.rollouts import engines
 from jrl.trainers.setup import seed
 
 
