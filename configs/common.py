@@ -320,13 +320,17 @@ def rl_section():
   # unclipped importance sampling at staleness 3 grew the sampler-trainer KL ~30x
   # and collapsed the entropy (tinker-cookbook PR #822)
   s.allow_unbounded_async = False
-  s.loss_agg = 'token-mean'  # see jrl.losses.AGGREGATION_MODES
-  s.loss_norm = optional()  # seq-mean-token-sum-norm constant (None: padded length)
+  # How the per-token loss is reduced: the arguments of jrl.losses.aggregate_loss.
+  s.reduction = ml_collections.ConfigDict()
+  s.reduction.mode = 'token-mean'  # see jrl.losses.AGGREGATION_MODES
+  s.reduction.loss_norm = optional()  # seq-mean-token-sum-norm constant (None: padded length)
   s.kl_coef = 0.0  # β; 0 skips the reference model
   s.kl_in = 'loss'  # 'loss' (GRPO) or 'reward' (REINFORCE++, PPO)
-  s.kl_estimator = 'k3'  # k1 | k2 | k3 | abs | k3_ratio_corrected (kl_in='loss' only)
-  s.kl_input_clamp = optional()  # clamp on log(π/π_ref) (None: off)
-  s.kl_output_clamp = optional()  # clamp on the per-token KL (None: off)
+  # The per-token KL to the reference: the arguments of jrl.losses.kl_penalty.
+  s.kl = ml_collections.ConfigDict()
+  s.kl.estimator = 'k3'  # k1 | k2 | k3 | abs | k3_ratio_corrected (kl_in='loss' only)
+  s.kl.input_clamp = optional()  # clamp on log(π/π_ref) (None: off)
+  s.kl.output_clamp = optional()  # clamp on the per-token KL (None: off)
   # Drop whole sequences with A < 0 whose mean log(π_old/π) exceeds this
   # (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); None: off
   s.off_policy_mask_threshold = optional()
@@ -375,9 +379,13 @@ def seed_preset(c, name):
     for key, default in defaults.items():
       rl[section][kernel.name][key] = kernel.kwargs.get(key, default)
   rl.advantage, rl.policy_loss = p.advantage.name, p.policy.name
-  rl.loss_agg, rl.loss_norm = p.loss_agg, p.loss_norm
-  rl.kl_in, rl.kl_coef, rl.kl_estimator = 'loss', p.kl_coef, p.kl_estimator
-  rl.kl_input_clamp, rl.kl_output_clamp = p.kl_input_clamp, p.kl_output_clamp
+  rl.reduction.mode, rl.reduction.loss_norm = p.loss_agg, p.loss_norm
+  rl.kl_in, rl.kl_coef = 'loss', p.kl_coef
+  rl.kl.estimator, rl.kl.input_clamp, rl.kl.output_clamp = (
+    p.kl_estimator,
+    p.kl_input_clamp,
+    p.kl_output_clamp,
+  )
   rl.entropy_coef, rl.off_policy_mask_threshold = p.entropy_coef, p.off_policy_mask_threshold
   return c
 

@@ -15,7 +15,7 @@ def get_config(arg=None):
   c.rl.advantage = 'grpo'  # unused by PPO (GAE); kept for validation
   c.rl.kl_coef = 0.02  # initial β of the KL penalty
   c.rl.kl_in = 'reward'
-  c.rl.kl_estimator = 'k1'
+  c.rl.kl.estimator = 'k1'
   c.rl.epochs = 2
   c.lock()
   return common.variant(c, arg)

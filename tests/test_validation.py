@@ -64,7 +64,7 @@ BAD_FIELDS = [
   ('rl.adv.reinforce_pp.gamma', 1.01, 'in [0, 1]'),
   ('rl.loss.ppo.dual_clip_c', 0.5, '> 1'),
   ('rl.loss.sapo.tau_pos', 0.0, '> 0'),
-  ('rl.kl_output_clamp', 0.0, '> 0'),
+  ('rl.kl.output_clamp', 0.0, '> 0'),
   ('task.max_prompt_len', 0, '>= 1'),
   ('train.chunk_size', 0, '>= 1'),
   ('rl.overlong_penalty', -1.0, '>= 0'),
@@ -169,9 +169,9 @@ KERNEL_CHECKED = (
   'task.reasoning_gym.settings.',
   'rl.loss.',
   'rl.adv.',
-  'rl.loss_norm',
-  'rl.kl_input_clamp',
-  'rl.kl_output_clamp',
+  'rl.reduction.loss_norm',
+  'rl.kl.input_clamp',
+  'rl.kl.output_clamp',
   'rl.off_policy_mask_threshold',
 )
 

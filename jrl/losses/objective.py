@@ -51,9 +51,10 @@ class Objective(NamedTuple):
     """Runs the kernels' own argument checks on the values of this
     objective that are kernel arguments (the KL estimator and clamps, the
     aggregation and its constant, the off-policy threshold), traced on a
-    tiny abstract batch; a ValueError names `field.<Objective field>`
-    (`rl.kl_input_clamp`: a run's `rl` fields are the Objective's). The
-    policy loss and the estimator are checked when made. Returns self."""
+    tiny abstract batch; a ValueError names the kernel's argument under its
+    section of `field` (`rl.kl.input_clamp`, `rl.reduction.mode`: a run's
+    `rl` section holds them so). The policy loss and the estimator are
+    checked when made. Returns self."""
     registry.once(_check, self, field)
     return self
 
@@ -131,18 +132,18 @@ def kl_estimate(objective, logp, ref_logp, mask, old_logp):
 @functools.lru_cache(maxsize=4096)
 def _check(objective, field):
   """`Objective.check`, remembered for the values that pass."""
-  named = lambda *keys: {arg: f'{field}.{key}' for arg, key in keys}
+  # Each kernel's arguments under its section: `<field>.kl.estimator`, ...
+  named = lambda section, *args: {arg: f'{field}.{section}{arg}' for arg in args}
   kl = lambda logp, ref, mask: kl_estimate(objective, logp, ref, mask, logp)
-  estimator = ('estimator', 'kl_estimator')
-  clamps = ('input_clamp', 'kl_input_clamp'), ('output_clamp', 'kl_output_clamp')
   kl_shapes = (('logp', (1, 2)), ('ref_logp', (1, 2)), ('mask', (1, 2)))
-  registry.probe(kl, kl_shapes, named(estimator, *clamps), f'{field}.kl_estimator')
+  kl_args = named('kl.', 'estimator', 'input_clamp', 'output_clamp')
+  registry.probe(kl, kl_shapes, kl_args, f'{field}.kl.estimator')
   agg = lambda x, mask: objective.aggregate(x, mask)
   shapes = (('x', (1, 2)), ('mask', (1, 2)))
-  registry.probe(agg, shapes, named(('mode', 'loss_agg'), ('loss_norm', 'loss_norm')), field)
+  registry.probe(agg, shapes, named('reduction.', 'mode', 'loss_norm'), f'{field}.reduction')
   if objective.off_policy_mask_threshold is not None:
     mask_fn = lambda logp, mask: off_policy.off_policy_sequence_mask(
       logp, logp, logp, mask, threshold=objective.off_policy_mask_threshold
     )
-    thr = named(('threshold', 'off_policy_mask_threshold'))
+    thr = {'threshold': f'{field}.off_policy_mask_threshold'}
     registry.probe(mask_fn, shapes, thr, f'{field}.off_policy_mask_threshold')

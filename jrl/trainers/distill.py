@@ -119,7 +119,9 @@ def load(config, resources, packer):
         f'than the tokenizer ({vocab}); a teacher must share the student tokenizer.'
       )
     params.append(ck.params)
-    fns.append(online.logprobs_fn(config, ck.graphdef, packer))
+    fns.append(
+      online.logprobs_fn(ck.graphdef, config.sampling.temperature, config.train.chunk_size, packer)
+    )
   weights = tuple(float(w) for w in d.teacher_weights) or (1.0,) * len(params)
   total = sum(weights)
   weights = tuple(w / total for w in weights)

@@ -120,7 +120,13 @@ class GRPO(online.Run):
     )
     # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
     self.logprobs = parallel.on_mesh(
-      resources.mesh, online.logprobs_fn(config, resources.model.graphdef, self.packer)
+      resources.mesh,
+      online.logprobs_fn(
+        resources.model.graphdef,
+        config.sampling.temperature,
+        config.train.chunk_size,
+        self.packer,
+      ),
     )
     self.steps = Steps(
       update_fns.jit(self.memory_plan.budget, self.memory_plan.remat),

@@ -67,8 +67,8 @@ def check_rl(config, batch_shards):
   check_bounded_when_stale(config)
   need(rl.kl_in in ('loss', 'reward'), 'rl.kl_in', "must be 'loss' or 'reward'.")
   need(
-    rl.kl_estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
-    'rl.kl_estimator',
+    rl.kl.estimator != 'k3_ratio_corrected' or rl.kl_in == 'loss',
+    'rl.kl.estimator',
     "'k3_ratio_corrected' weights the KL by π/π_old, which exists only in the loss: "
     "set rl.kl_in='loss' or another estimator.",
   )
@@ -129,10 +129,9 @@ RL = checks.Section(
     'rl.group_size': checks.count(1),
     'rl.epochs': checks.count(1),
     'rl.minibatch_size': checks.count(1),
-    # rl.adv.<name>.<argument>, rl.loss.<name>.<argument>, rl.loss_agg, rl.loss_norm,
-    # rl.kl_estimator, rl.kl_input_clamp, rl.kl_output_clamp and
-    # rl.off_policy_mask_threshold are kernel arguments: the kernels' own checks
-    # run on them in check_rl (policy_step.objective_of).
+    # rl.adv.<name>.<argument>, rl.loss.<name>.<argument>, rl.reduction.<argument>,
+    # rl.kl.<argument> and rl.off_policy_mask_threshold are kernel arguments: the
+    # kernels' own checks run on them in check_rl (policy_step.objective_of).
     'rl.kl_coef': checks.non_negative(),
     'rl.entropy_coef': checks.Range(False),
     'rl.overlong_buffer': checks.count(0),
@@ -281,23 +280,23 @@ def _row_taker(sharding, treedef, ranks):
   return jax.jit(lambda full, idx: jax.tree.map(lambda x: x[idx], full), out_shardings=out)
 
 
-def whole_groups(config):
+def whole_groups(rl, shared_prompt):
   """Whether minibatches are drawn as whole groups (`rl.minibatch_by`):
-  'group', or 'auto' with `train.shared_prompt` on (where a group in one
-  minibatch has its prompt computed once) and `rl.minibatch_size` a multiple
-  of `rl.group_size`; else ('row', 'auto' otherwise) as single rows."""
-  rl = config.rl
+  'group', or 'auto' with `shared_prompt` (`train.shared_prompt`: a group in
+  one minibatch has its prompt computed once) and `rl.minibatch_size` a
+  multiple of `rl.group_size`; else ('row', 'auto' otherwise) as single rows."""
   by = rl.get('minibatch_by', 'auto')
   if by == 'auto':
-    shared = config.train.get('shared_prompt', False)
-    return bool(shared) and rl.minibatch_size % rl.group_size == 0
+    return bool(shared_prompt) and rl.minibatch_size % rl.group_size == 0
   return by == 'group'
 
 
-def run_minibatches(step, state, full, config, iteration, sharding, packer=None):
+def run_minibatches(
+  step, state, full, rl, iteration, sharding, packer=None, *, seed, shared_prompt=False
+):
   """`rl.epochs` passes of `step` over minibatches of `full` (a pytree of
-  [B·G, ...] arrays), in permutations fixed by (seed, iteration): of rows,
-  or of whole groups (`whole_groups`).
+  [B·G, ...] arrays), in permutations fixed by (`seed`, iteration): of rows,
+  or of whole groups (`whole_groups(rl, shared_prompt)`).
 
   With a `packer` (common.make_packer) each minibatch's sequences are packed
   into rows (`full.packed` set per minibatch): the same minibatches in the
@@ -306,17 +305,16 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   Returns:
     (state, metrics averaged over minibatches, seconds).
   """
-  rl = config.rl
   start = time.perf_counter()
   rows = rl.prompts_per_step * rl.group_size
   mb = rl.minibatch_size
-  by_group = whole_groups(config)
+  by_group = whole_groups(rl, shared_prompt)
   results = []
   efficiency = []
   if packer is not None:
     host = [distributed.fetch(x) for x in (full.tokens, full.mask, full.loss_mask)]
   for epoch in range(rl.epochs):
-    rng = np.random.default_rng(setup.seed(config.seed, iteration, 'perm', epoch))
+    rng = np.random.default_rng(setup.seed(seed, iteration, 'perm', epoch))
     g = rl.group_size
     if by_group:
       perm = (rng.permutation(rows // g)[:, None] * g + np.arange(g)).reshape(-1)
@@ -347,16 +345,13 @@ def run_minibatches(step, state, full, config, iteration, sharding, packer=None)
   return state, metrics, time.perf_counter() - start
 
 
-def logprobs_fn(config, graphdef, packer=None):
-  """(params, tokens, mask) -> [B, T] logprobs at the sampling temperature
-  (the reference and proximal passes); with a `packer` (common.make_packer)
-  the model runs on packed rows."""
+def logprobs_fn(graphdef, temperature, chunk_size, packer=None):
+  """(params, tokens, mask) -> [B, T] logprobs at the sampling `temperature`
+  (the reference and proximal passes), the logits in chunks of `chunk_size`
+  positions; with a `packer` (common.make_packer) the model runs on packed rows."""
   logprobs = jax.jit(
     functools.partial(
-      common.token_logprobs,
-      graphdef,
-      temperature=config.sampling.temperature,
-      chunk_size=config.train.chunk_size,
+      common.token_logprobs, graphdef, temperature=temperature, chunk_size=chunk_size
     )
   )
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
@@ -412,7 +407,15 @@ class Run(controller.Job):
     full, adv = self.batch(state, generated, old_logp, is_weights, metrics)
     with topo.update_window(), resources.tracer.span('update', iteration=it):
       state, update_metrics, t_update = run_minibatches(
-        self.update, state, full, config, it, resources.batch_sharding, self.packer
+        self.update,
+        state,
+        full,
+        rl,
+        it,
+        resources.batch_sharding,
+        self.packer,
+        seed=config.seed,
+        shared_prompt=config.train.get('shared_prompt', False),
       )
     metrics.update(update_metrics)
     metrics.update(advantage_metrics(adv, trained_mask(generated)))

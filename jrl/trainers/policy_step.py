@@ -213,7 +213,7 @@ def objective_of(rl):
   estimator `rl.advantage` with `rl.adv.<name>`, and the rest of the loss.
   Every value that is a kernel's argument is checked here by the kernel's
   own checks (`PolicyLoss.make`, `Advantage.make`, `Objective.check`); a
-  ValueError names the field (`rl.loss.ppo.eps_high`, `rl.kl_input_clamp`)."""
+  ValueError names the field (`rl.loss.ppo.eps_high`, `rl.kl.input_clamp`)."""
   kl_in_loss = rl.kl_in == 'loss'
   adv_args = dict(rl.adv.get(rl.advantage) or {})  # an unknown name: `make` names the field
   if not kl_in_loss and 'kl_coef' in L.ADVANTAGE_ARGS.get(rl.advantage, ()):
@@ -221,12 +221,12 @@ def objective_of(rl):
   return L.Objective(
     policy=L.PolicyLoss.make(rl.policy_loss, dict(rl.loss.get(rl.policy_loss) or {})),
     advantage=L.Advantage.make(rl.advantage, adv_args),
-    loss_agg=rl.loss_agg,
-    loss_norm=rl.loss_norm,
+    loss_agg=rl.reduction.mode,
+    loss_norm=rl.reduction.loss_norm,
     kl_coef=rl.kl_coef if kl_in_loss else 0.0,
-    kl_estimator=rl.kl_estimator,
-    kl_input_clamp=rl.kl_input_clamp,
-    kl_output_clamp=rl.kl_output_clamp,
+    kl_estimator=rl.kl.estimator,
+    kl_input_clamp=rl.kl.input_clamp,
+    kl_output_clamp=rl.kl.output_clamp,
     entropy_coef=rl.entropy_coef,
     off_policy_mask_threshold=rl.off_policy_mask_threshold,
   ).check('rl')

@@ -292,7 +292,13 @@ class PPO(online.Run):
     )
     # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
     self.logprobs = parallel.on_mesh(
-      resources.mesh, online.logprobs_fn(config, resources.model.graphdef, self.packer)
+      resources.mesh,
+      online.logprobs_fn(
+        resources.model.graphdef,
+        config.sampling.temperature,
+        config.train.chunk_size,
+        self.packer,
+      ),
     )
     values = jax.jit(functools.partial(critic_values, self.critic_graphdef))
     self.steps = Steps(
@@ -331,7 +337,7 @@ class PPO(online.Run):
     response = generated.batch.loss_mask  # the KL is measured on every response
     if self.uses_ref:
       kl = L.kl_penalty(
-        generated.old_logp, generated.ref_logp, estimator=rl.kl_estimator, mask=response
+        generated.old_logp, generated.ref_logp, estimator=rl.kl.estimator, mask=response
       )
     token_rewards = L.token_level_rewards(
       jnp.asarray(generated.rewards), mask, kl=kl, kl_coef=beta if self.kl_in_reward else 0.0

@@ -15,13 +15,13 @@ B, T = 4, 5
 @pytest.mark.parametrize(
   'fields, message',
   [
-    ({'kl_input_clamp': 0.0}, '`rl.kl_input_clamp` must be > 0, got 0.0.'),
-    ({'kl_output_clamp': -1.0}, '`rl.kl_output_clamp` must be > 0, got -1.0.'),
-    ({'kl_estimator': 'k4'}, "`rl.kl_estimator` must be one of ('k1', 'abs', 'k2', 'k3'"),
-    ({'loss_agg': 'mean'}, "`rl.loss_agg` must be one of ('token-mean'"),
-    ({'loss_norm': 0.0}, '`rl.loss_norm` must be > 0, got 0.0.'),
+    ({'kl_input_clamp': 0.0}, '`rl.kl.input_clamp` must be > 0, got 0.0.'),
+    ({'kl_output_clamp': -1.0}, '`rl.kl.output_clamp` must be > 0, got -1.0.'),
+    ({'kl_estimator': 'k4'}, "`rl.kl.estimator` must be one of ('k1', 'abs', 'k2', 'k3'"),
+    ({'loss_agg': 'mean'}, "`rl.reduction.mode` must be one of ('token-mean'"),
+    ({'loss_norm': 0.0}, '`rl.reduction.loss_norm` must be > 0, got 0.0.'),
     ({'off_policy_mask_threshold': -0.5}, '`rl.off_policy_mask_threshold` must be >= 0'),
-    ({'kl_input_clamp': '20'}, "`rl.kl_input_clamp` must be a number, got '20' (str)."),
+    ({'kl_input_clamp': '20'}, "`rl.kl.input_clamp` must be a number, got '20' (str)."),
   ],
 )
 def test_check_names_the_field_the_kernel_refuses(fields, message):

@@ -191,10 +191,10 @@ def write_jsonl(path, rows):
 
 VARIANTS = {
   'grpo': {},
-  'dr_grpo': {'rl.advantage': 'dr_grpo', 'rl.loss_agg': 'seq-mean-token-sum-norm'},
+  'dr_grpo': {'rl.advantage': 'dr_grpo', 'rl.reduction.mode': 'seq-mean-token-sum-norm'},
   'dapo': {
     'rl.loss.ppo.eps_high': 0.28,
-    'rl.loss_agg': 'token-mean',
+    'rl.reduction.mode': 'token-mean',
     'rl.overlong_buffer': 2,
     'rl.dynamic_sampling': True,
   },
@@ -202,7 +202,7 @@ VARIANTS = {
     'rl.policy_loss': 'gspo',
     'rl.loss.gspo.eps_low': 3e-4,
     'rl.loss.gspo.eps_high': 4e-4,
-    'rl.loss_agg': 'seq-mean-token-mean',
+    'rl.reduction.mode': 'seq-mean-token-mean',
     # Updates large enough for sequence ratios to leave [1 - 3e-4, 1 + 4e-4].
     'optim.lr': 1e-3,
     'optim.warmup_steps': 0,
@@ -214,13 +214,13 @@ VARIANTS = {
     'rl.advantage': 'reinforce_pp',
     'rl.kl_coef': 0.01,
     'rl.kl_in': 'reward',
-    'rl.kl_estimator': 'k1',
+    'rl.kl.estimator': 'k1',
   },
   'reinforce_pp_baseline': {
     'rl.advantage': 'reinforce_pp_baseline',
     'rl.kl_coef': 0.01,
     'rl.kl_in': 'reward',
-    'rl.kl_estimator': 'k1',
+    'rl.kl.estimator': 'k1',
   },
 }
 
@@ -363,7 +363,7 @@ def test_ppo_resumes_to_the_same_result(ppo_run, tmp_path, capsys):
 
 def test_ppo_with_kl_in_the_loss(tmp_path):
   config = shrink(
-    ppo_arith, tmp_path, {**PPO, 'rl.kl_in': 'loss', 'rl.kl_estimator': 'k3', 'rl.steps': 2}
+    ppo_arith, tmp_path, {**PPO, 'rl.kl_in': 'loss', 'rl.kl.estimator': 'k3', 'rl.steps': 2}
   )
   state = trainers.run(config)
   recs = records(tmp_path)

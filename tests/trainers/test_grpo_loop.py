@@ -374,7 +374,7 @@ def test_apply_gradients_applies_finite_updates():
     ({'rl.minibatch_size': 12}, 'rl.minibatch_size'),
     ({'rl.advantage': 'gae'}, 'rl.advantage'),
     ({'rl.policy_loss': 'trpo'}, 'rl.policy_loss'),
-    ({'rl.loss_agg': 'mean'}, 'rl.loss_agg'),
+    ({'rl.reduction.mode': 'mean'}, 'rl.reduction.mode'),
     ({'sampler.num_slots': 2}, 'sampler.num_slots'),
     # A misspelt `kl_in` silently turns the KL term off (neither 'loss' nor 'reward').
     ({'rl.kl_coef': 0.1, 'rl.kl_in': 'rewards'}, 'rl.kl_in'),
@@ -935,7 +935,7 @@ def test_resumed_run_has_no_duplicated_steps(resumed_runs):
   [
     ({'rl.policy_loss': 'sapo', 'rl.loss.sapo.tau_neg': 2.0}, {'tau_neg': 2.0, 'tau_pos': 1.0}),
     ({'rl.policy_loss': 'vespo', 'rl.loss.vespo.k_pos': 1.0}, {'k_pos': 1.0, 'k_neg': 3.0}),
-    ({'rl.kl_coef': 0.05, 'rl.kl_estimator': 'k3_ratio_corrected'}, {}),
+    ({'rl.kl_coef': 0.05, 'rl.kl.estimator': 'k3_ratio_corrected'}, {}),
     ({'rl.off_policy_mask_threshold': 0.5}, {}),
   ],
 )
@@ -959,9 +959,9 @@ def test_trl_objectives_reach_the_loss_from_config(overrides, expected):
 
 def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):
   config = shrunk_config(
-    tmp_path, {'rl.kl_coef': 0.05, 'rl.kl_in': 'reward', 'rl.kl_estimator': 'k3_ratio_corrected'}
+    tmp_path, {'rl.kl_coef': 0.05, 'rl.kl_in': 'reward', 'rl.kl.estimator': 'k3_ratio_corrected'}
   )
-  with pytest.raises(ValueError, match=r'rl\.kl_estimator'):
+  with pytest.raises(ValueError, match=r'rl\.kl\.estimator'):
     trainers.validate(config, 1)
 
 
@@ -971,7 +971,7 @@ def test_ratio_corrected_kl_needs_the_kl_in_the_loss(tmp_path):
     {
       'rl.policy_loss': 'sapo',
       'rl.kl_coef': 0.05,
-      'rl.kl_estimator': 'k3_ratio_corrected',
+      'rl.kl.estimator': 'k3_ratio_corrected',
       'rl.off_policy_mask_threshold': 0.5,
     },
     {'rl.policy_loss': 'vespo'},

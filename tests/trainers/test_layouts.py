@@ -263,7 +263,9 @@ def test_minibatches_of_rows_or_whole_groups(tmp_path, by, shared, minibatch, wh
     return state, {'actor/loss': jnp.float32(0)}
 
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  online.run_minibatches(step, None, full, config, 0, sharding)
+  online.run_minibatches(
+    step, None, full, config.rl, 0, sharding, seed=config.seed, shared_prompt=shared
+  )
   assert len(seen) == 2 * rows // minibatch
   for epoch in (seen[: len(seen) // 2], seen[len(seen) // 2 :]):
     assert sorted(np.concatenate(epoch).tolist()) == list(range(rows))  # every row once

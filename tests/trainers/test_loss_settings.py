@@ -143,7 +143,7 @@ def test_a_bound_is_set_and_turned_off_on_the_command_line(monkeypatch):
     'train.py',
     f'--config={path}',
     '--config.rl.loss.ppo.dual_clip_c=None',
-    '--config.rl.kl_output_clamp=5',
+    '--config.rl.kl.output_clamp=5',
     '--config.rl.loss.sapo.tau_neg=1.2',
     '--config.rl.adv.grpo.scale=batch',
   ]
