@@ -168,12 +168,12 @@ def bench_config(config, steps, overrides=None):
   config.log.plot = False
   config.checkpoint.every = 10**6
   for key, value in (overrides or {}).items():
-    if isinstance(value, dict):
-      for name, v in value.items():
-        config[key][name] = v
-    else:
-      section, name = key.split('.')
-      config[section][name] = value
+    fields = value.items() if isinstance(value, dict) else [(key.split('.')[1], value)]
+    section = key if isinstance(value, dict) else key.split('.')[0]
+    for name, v in fields:
+      if name not in config[section]:
+        raise KeyError(f'`{section}.{name}`: the config has no such field.')
+      config[section][name] = v
   return config
 
 

@@ -53,8 +53,8 @@ GRPO_SETUPS = {
     'model': dict(
       width=512, mlp_width=1408, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
     ),
-    'rl': dict(max_prompt_len=64, max_new_tokens=64, kl_coef=0.001, minibatch_size=32),
-    'task': dict(digits=9, ops='*'),
+    'rl': dict(kl_coef=0.001, minibatch_size=32),
+    'task': dict(digits=9, ops='*', max_prompt_len=64, max_response_len=64),
     'sampler': dict(page_size=16),
   },
 }

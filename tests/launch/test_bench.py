@@ -152,6 +152,19 @@ def test_set_fields_parses_each_field_as_its_type():
     bench_common.set_fields(config, ['rl.group_size'])
 
 
+def test_every_grpo_setup_applies_to_the_default_config():
+  from configs import grpo_arith
+  from launch.benches import grpo as grpo_bench
+
+  for name, overrides in grpo_bench.GRPO_SETUPS.items():
+    config = bench_common.bench_config(grpo_arith.get_config(), 2, overrides)
+    for section, fields in overrides.items():
+      for field, value in fields.items():
+        assert config[section][field] == value, (name, section, field)
+  with pytest.raises(KeyError, match=r'`rl\.max_new_tokens`: the config has no such field'):
+    bench_common.bench_config(grpo_arith.get_config(), 2, {'rl': {'max_new_tokens': 64}})
+
+
 def test_update_bench_packs_a_long_tailed_batch_into_fewer_rows(capsys):
   lengths = bench_common.long_tailed_lengths(64, 512, 0.25, seed=0)
   assert lengths.max() == 512 and lengths.min() >= 16
