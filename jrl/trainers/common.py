@@ -471,7 +471,8 @@ def apply_gradients(
   `state.step` counts train steps).
 
   Returns:
-    (new_state, metrics) with `grad_norm`, `lr` and `nonfinite` (1.0 when the
+    (new_state, metrics) with `grad_norm`, `lr`, `nonfinite_loss` (1.0 when
+    the loss was not finite) and `nonfinite` (1.0 when the
     update was skipped: parameters and optimiser state are left unchanged).
     With LoRA adapters in the tree, `grad_norm` (and the finiteness check) is
     over the adapters' gradients, the only ones the optimiser applies.
@@ -491,6 +492,7 @@ def apply_gradients(
     'grad_norm': grad_norm,
     'lr': schedule(state.step // accum),
     signals.NONFINITE: 1.0 - finite.astype(jnp.float32),
+    signals.NONFINITE_LOSS: 1.0 - jnp.isfinite(loss).astype(jnp.float32),
   }
   return state._replace(step=state.step + finite.astype(jnp.int32)), metrics
 

@@ -247,7 +247,7 @@ def train(job):
         raise RuntimeError(
           f'stopping at iteration {it}: {progress.nonfinite_run} iterations in a row '
           f'had a non-finite loss or gradient (the last skipped the update of '
-          f'{", ".join(skipped)}). '
+          f'{", ".join(map(str, skipped))}). '
           f'{checkpointer.describe_latest()}'
         )
       if distributed.any_process(progress.stop_requested) and it < total:

@@ -136,17 +136,15 @@ def load(config, resources, packer):
   return Teachers(params, fns, weights, advantages)
 
 
-def advantages(teachers, config, generated, student_logp, reward_adv, resources, metrics):
-  """`distill.coef` · A_distill + `distill.reward_coef` · `reward_adv` [B, T]
-  for a placed rollout; adds the distillation metrics to `metrics`."""
-  d = config.distill
+def advantages(teachers, d, rows, generated, student_logp, reward_adv, resources, metrics):
+  """`d.coef` · A_distill + `d.reward_coef` · `reward_adv` [B, T] for a placed
+  rollout (`d`: the `distill` section; the teachers' passes over minibatches
+  of `rows`); adds the distillation metrics to `metrics`."""
   start = time.perf_counter()
   with resources.tracer.span('teacher'):
     teacher_logp = jnp.stack(
       [
-        common.minibatched(
-          fn, p, generated.batch, config.rl.minibatch_size, resources.batch_sharding
-        )
+        common.minibatched(fn, p, generated.batch, rows, resources.batch_sharding)
         for fn, p in zip(teachers.logprobs, teachers.params, strict=True)
       ]
     )

@@ -167,8 +167,9 @@ class GRPO(online.Run):
       jnp.asarray(generated.rewards), mask, kl_BxT=kl_reward, valid_B=generated.valid
     )
     if self.teachers is not None:
+      rows, d = self.config.rl.minibatch_size, self.config.distill
       adv = distill.advantages(
-        self.teachers, self.config, generated, old_logp, adv, self.resources, metrics
+        self.teachers, d, rows, generated, old_logp, adv, self.resources, metrics
       )
     full = policy_step.PolicyBatch(
       tokens=generated.batch.tokens,

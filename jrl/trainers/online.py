@@ -339,8 +339,8 @@ def run_minibatches(
   # The first minibatch is scored before any update: the sampler/trainer gap.
   if 'actor/logp_diff_abs' in results[0]:
     metrics['actor/logp_diff_abs'] = float(results[0]['actor/logp_diff_abs'])
-  for k in ('actor/nonfinite', 'critic/nonfinite'):
-    if k in results[0]:
+  for k in results[0]:  # a skip in any minibatch is the iteration's
+    if k.rpartition('/')[2] in (signals.NONFINITE, signals.NONFINITE_LOSS):
       metrics[k] = float(np.max([u[k] for u in results]))
   return state, metrics, time.perf_counter() - start
 
@@ -399,9 +399,17 @@ class Run(controller.Job):
     )
     metrics = dict(generated.metrics)
     old_logp, is_weights = generated.old_logp, None
-    if topo.staleness or correction.recomputes_logprobs(config):
+    recompute = correction.recomputes_logprobs(config.sampler)
+    if topo.staleness or recompute:
       old_logp, is_weights, corrected = correction.proximal(
-        self.logprobs, state.params, generated, it, resources
+        self.logprobs,
+        state.params,
+        generated,
+        it,
+        resources,
+        rows=rl.minibatch_size,
+        topology_config=config.topology,
+        recompute=recompute,
       )
       metrics.update(corrected)
     full, adv = self.batch(state, generated, old_logp, is_weights, metrics)

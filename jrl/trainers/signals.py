@@ -7,10 +7,11 @@ only: it stops a run after `max_nonfinite_steps` iterations in a row with a
 reward function left more than `reward.max_unscored_frac` of the completions
 `unscored`. No metric name is read to decide anything.
 
-The update says whether it skipped: `common.apply_gradients` leaves the
-parameters unchanged when the loss or the gradient is not finite and
-reports it as `NONFINITE` (1.0) in its metrics; `skipped` turns one iteration's update
-metrics into the names of the models whose update did not apply. The
+The update says whether it skipped and why: `common.apply_gradients` leaves
+the parameters unchanged when the loss or the gradient is not finite and
+reports it as `NONFINITE` (1.0) in its metrics, and `NONFINITE_LOSS` (1.0)
+when the loss itself was not; `skipped` turns one iteration's update
+metrics into a `Skipped` per model whose update did not apply. The
 rollout says what it could not score: `rollout.Rollout.unscored`, one
 `Unscored` per reward function, and in an agent run one for the episodes
 its environments failed (`ENVIRONMENT`).
@@ -19,6 +20,17 @@ its environments failed (`ENVIRONMENT`).
 from typing import NamedTuple
 
 NONFINITE = 'nonfinite'  # the update metric that is 1.0 when it skipped
+NONFINITE_LOSS = 'nonfinite_loss'  # 1.0 when the loss was not finite (else the gradient was not)
+
+
+class Skipped(NamedTuple):
+  """A model whose update was skipped in an iteration, and why."""
+
+  model: str  # the metrics' prefix: 'actor', 'critic', 'sft', ...
+  why: str  # 'loss' (the loss was not finite) or 'gradient' (the loss was, its gradient not)
+
+  def __str__(self):
+    return f'{self.model} (non-finite {self.why})'
 
 
 class Unscored(NamedTuple):
@@ -40,9 +52,9 @@ class Report(NamedTuple):
   """One iteration's outcome.
 
   metrics: name -> float, logged as they are.
-  skipped: the models whose update was skipped this iteration (a non-finite
-    loss or gradient), in the order the iteration updates them; () when every
-    update applied.
+  skipped: a `Skipped` per model whose update was skipped this iteration
+    (a non-finite loss or gradient), in the order the iteration updates
+    them; () when every update applied.
   unscored: per reward function, what the iteration's rollout left
     unscored; () when nothing was scored (SFT, DPO, reward models).
   """
@@ -53,10 +65,15 @@ class Report(NamedTuple):
 
 
 def skipped(update_metrics, models):
-  """The models among `models` whose update skipped, from the update's host
-  metrics: `<model>/NONFINITE` above 0 (over several minibatches the
-  metrics must hold each model's largest value)."""
-  return tuple(m for m in models if update_metrics.get(f'{m}/{NONFINITE}', 0.0) > 0)
+  """A `Skipped` for each of `models` whose update skipped, from the update's
+  host metrics: `<model>/NONFINITE` above 0, why by `<model>/NONFINITE_LOSS`
+  (over several minibatches the metrics must hold each model's largest value)."""
+  get = lambda m, key: update_metrics.get(f'{m}/{key}', 0.0) > 0
+  return tuple(
+    Skipped(m, 'loss' if get(m, NONFINITE_LOSS) else 'gradient')
+    for m in models
+    if get(m, NONFINITE)
+  )
 
 
 def mostly_unscored(unscored, limit, errors):

@@ -108,12 +108,20 @@ def corrected(tmp_path, fields, version=3, recomputed=True):
   batch = types.SimpleNamespace(tokens=np.zeros((2, 3), np.int32), mask=MASK, loss_mask=MASK)
   generated = types.SimpleNamespace(version=version, old_logp=BEHAVIOUR, batch=batch)
   resources = types.SimpleNamespace(
-    config=config,
     tracer=types.SimpleNamespace(span=lambda name: contextlib.nullcontext()),
     batch_sharding=None,
   )
   logprobs = lambda params, tokens, mask, loss_mask: BEHAVIOUR + SHIFT
-  old_logp, weights, metrics = correction.proximal(logprobs, None, generated, 5, resources)
+  old_logp, weights, metrics = correction.proximal(
+    logprobs,
+    None,
+    generated,
+    5,
+    resources,
+    rows=config.rl.minibatch_size,
+    topology_config=config.topology,
+    recompute=correction.recomputes_logprobs(config.sampler),
+  )
   np.testing.assert_allclose(old_logp, BEHAVIOUR + SHIFT if recomputed else BEHAVIOUR)
   return np.asarray(weights), metrics
 

@@ -71,8 +71,8 @@ def run_capturing(config, monkeypatch, batches=None):
   seen = []
   original = distill.advantages
 
-  def recording(teachers, config, generated, *args, **kwargs):
-    adv = original(teachers, config, generated, *args, **kwargs)
+  def recording(teachers, d, rows, generated, *args, **kwargs):
+    adv = original(teachers, d, rows, generated, *args, **kwargs)
     seen.append(np.asarray(jax.device_get(adv)))
     if batches is not None:
       batches.append(jax.device_get(generated.batch))

@@ -270,7 +270,9 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
   monkeypatch.setattr(grpo.GRPO, 'update', keep_last_state)
   config = shrunk_config(tmp_path, {**QUIET, 'max_nonfinite_steps': 2})
   ckdir = os.path.join(str(tmp_path), 'checkpoints')
-  with pytest.raises(RuntimeError, match=r'non-finite .* skipped the update of actor\)') as info:
+  with pytest.raises(
+    RuntimeError, match=r'non-finite .* skipped the update of actor \(non-finite loss\)\)'
+  ) as info:
     trainers.run(config)
   (state,) = last
   assert ckdir in str(info.value)
@@ -295,9 +297,12 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
 def test_skipped_reads_every_model_an_update_names():
   """A PPO critic whose update is skipped counts as a skipped iteration."""
   m = {'actor/nonfinite': 0.0, 'critic/nonfinite': 1.0, 'sft/nonfinite': 0.0}
-  assert signals.skipped(m, ('sft', 'actor', 'critic')) == ('critic',)
+  assert signals.skipped(m, ('sft', 'actor', 'critic')) == (signals.Skipped('critic', 'gradient'),)
+  m['critic/nonfinite_loss'] = 1.0
+  (skip,) = signals.skipped(m, ('sft', 'actor', 'critic'))
+  assert str(skip) == 'critic (non-finite loss)'
   assert signals.skipped(m, ('sft', 'actor')) == ()
-  assert signals.skipped({'dpo/nonfinite': 1.0}, ('sft', 'dpo')) == ('dpo',)
+  assert signals.skipped({'dpo/nonfinite': 1.0}, ('sft', 'dpo')) == (('dpo', 'gradient'),)
 
 
 def test_mostly_unscored_names_the_reward_functions_over_the_limit():
@@ -349,6 +354,7 @@ def test_apply_gradients_skips_nonfinite_updates(loss, bad_grad):
   grads = {'w': grads['w'].at[0, 1].set(bad_grad), 'b': grads['b']}
   new_state, metrics = step(state, grads, jnp.float32(loss))
   assert float(metrics['nonfinite']) == 1.0
+  assert float(metrics['nonfinite_loss']) == float(not np.isfinite(loss))  # why it skipped
   assert int(new_state.step) == int(state.step)
   assert_trees_equal(new_state.params, state.params)
   assert_trees_equal(new_state.opt_state, state.opt_state)
@@ -948,8 +954,8 @@ def test_trl_objectives_reach_the_loss_from_config(overrides, expected):
   for key, value in overrides.items():
     if key == 'rl.policy_loss':
       assert policy.name == value
-    elif not key.startswith('rl.loss.'):
-      assert getattr(objective, key.split('.', 1)[1]) == value
+    elif not key.startswith('rl.loss.'):  # rl.kl.<argument> is the objective's kl_<argument>
+      assert getattr(objective, key.split('.', 1)[1].replace('.', '_')) == value
   defaults = L.default_args(L.POLICY_LOSSES, L.POLICY_LOSS_ARGS)[policy.name]
   assert set(policy.kwargs) <= set(defaults), policy
   called_with = {**defaults, **policy.kwargs}  # what the kernel computes with

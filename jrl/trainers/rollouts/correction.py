@@ -20,13 +20,13 @@ from jrl.trainers import common
 LOGP_DIFF_BOUNDS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 
 
-def recomputes_logprobs(config):
+def recomputes_logprobs(sampler_config):
   """Whether every rollout's logprobs are recomputed by the trainer and the
   engine's corrected by importance weights (`sampler.recompute_logprobs`:
   'auto' does for an engine other than jrl's, whose logprobs are not the
-  trainer's)."""
-  mode = config.sampler.recompute_logprobs
-  return mode == 'on' or (mode == 'auto' and config.sampler.engine != 'jrl')
+  trainer's). `sampler_config`: the `sampler` section."""
+  mode = sampler_config.recompute_logprobs
+  return mode == 'on' or (mode == 'auto' and sampler_config.engine != 'jrl')
 
 
 def logp_mismatch_metrics(trainer_logp, engine_logp, mask):
@@ -47,25 +47,21 @@ def logp_mismatch_metrics(trainer_logp, engine_logp, mask):
   return metrics
 
 
-def proximal(logprobs, params, generated, it, resources):
+def proximal(logprobs, params, generated, it, resources, *, rows, topology_config, recompute):
   """Decoupled PPO for a rollout of an older policy (one-step-off, async),
-  and the correction of an outside engine's logprobs (`recomputes_logprobs`):
-  the proximal logprobs (`logprobs`, the run's jitted logprob step, at the
-  current `params`), the importance weights proximal / behaviour (per
-  token, sequence or geometric mean, truncated or masked: `topology.is_*`,
+  and the correction of an outside engine's logprobs (`recompute`, from
+  `recomputes_logprobs`): the proximal logprobs (`logprobs`, the run's
+  jitted logprob step, at the current `params`, over minibatches of `rows`),
+  the importance weights proximal / behaviour (per token, sequence or
+  geometric mean, truncated or masked: the `topology` section's `is_*`,
   `jrl.losses.importance_weights`) and their metrics. Otherwise a rollout
   of the current version (`generated.version == it`) keeps its behaviour
   logprobs, weights 1."""
-  config = resources.config
-  recompute = recomputes_logprobs(config)
   if generated.version == it and not recompute:
     return generated.old_logp, jnp.ones_like(generated.old_logp), {}
   with resources.tracer.span('proximal'):
-    old_logp = common.minibatched(
-      logprobs, params, generated.batch, config.rl.minibatch_size, resources.batch_sharding
-    )
+    old_logp = common.minibatched(logprobs, params, generated.batch, rows, resources.batch_sharding)
     jax.block_until_ready(old_logp)
-  topology_config = config.topology
   is_weights, is_metrics = L.importance_weights(
     old_logp,
     generated.old_logp,
