@@ -182,7 +182,7 @@ class RecordingEngine:
 
 
 def make_engine(config, model, mesh, stop_tokens, group_sizes=None, **engine_overrides):
-  from jrl.trainers import engines
+  from jrl.trainers.rollouts import engines
 
   inner = engines.build_sampler(config, model, mesh, stop_tokens, group_sizes, **engine_overrides)
   ENGINES.append(RecordingEngine(inner))

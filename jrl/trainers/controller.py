@@ -26,6 +26,7 @@ All side effects of a run live here; the iteration functions return new
 state and a `signals.Report` (metrics, skipped updates, unscored counts).
 """
 
+import abc
 import contextlib
 import json
 import os
@@ -41,7 +42,7 @@ from jrl import metrics as metrics_lib
 from jrl.trainers import checks, common, setup, signals
 
 
-class Job:
+class Job(abc.ABC):
   """One algorithm's run, built and ready to start: what `train` calls.
 
   An algorithm's job is a subclass (`sft.SFT`, `grpo.GRPO`, ...) whose
@@ -56,9 +57,9 @@ class Job:
   topology: Any = None  # jrl.trainers.rollouts.topology strategy (online algorithms)
   memory_plan: Any = None  # memory_plan.Plan of the update (online algorithms)
 
+  @abc.abstractmethod
   def iterate(self, state, iteration):
     """(state, signals.Report): one iteration (0-based)."""
-    raise NotImplementedError
 
   def evaluate(self, state):
     """Held-out metrics ({}: nothing to evaluate)."""
@@ -77,7 +78,7 @@ class Job:
     """The latest batch's example completions (dicts)."""
     return []
 
-  def close(self):
+  def close(self):  # noqa: B027 (a job without workers has nothing to stop)
     """Stops what the run started (reward workers, evaluation processes)."""
 
 

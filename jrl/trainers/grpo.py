@@ -30,8 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import losses as L
-from jrl import parallel
-from jrl.trainers import checks, common, distill, memory_plan, online, policy_step, setup, sft
+from jrl.trainers import checks, common, distill, online, policy_step, setup, sft
 from jrl.trainers.rollouts import rollout
 
 
@@ -109,27 +108,9 @@ class GRPO(online.Run):
     # The update: its memory plan chosen first, then the step jitted with it.
     shardings = setup.step_shardings(self.state, resources.mesh)
     update_fns = make_update(config, resources, self.tx, schedule, shardings)
-    self.memory_plan, self.packer = memory_plan.plan_update(
-      config,
-      resources,
-      self.state,
-      common.make_packer(config.train, resources.seq_len, resources.batch_sharding),
-      update_fns,
-      functools.partial(probe_batch, resources, self.topology.staleness),
-      worker=self.worker,
-    )
-    # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
-    self.logprobs = parallel.on_mesh(
-      resources.mesh,
-      online.logprobs_fn(
-        resources.model.graphdef,
-        config.sampling.temperature,
-        config.train.chunk_size,
-        self.packer,
-      ),
-    )
+    update_step = self.plan_update(update_fns, probe_batch)  # sets memory_plan, packer, logprobs
     self.steps = Steps(
-      update_fns.jit(self.memory_plan.budget, self.memory_plan.remat),
+      update_step,
       self.logprobs,
       jax.jit(
         functools.partial(

@@ -6,6 +6,7 @@ epochs of an update step.
 Offline algorithms (SFT, DPO, reward model) import nothing from here.
 """
 
+import abc
 import functools
 import time
 
@@ -14,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jrl import distributed
+from jrl import distributed, parallel
 from jrl import losses as L
 from jrl.data import layouts
 from jrl.rewards import shaping as reward_norm
-from jrl.trainers import checks, common, controller, policy_step, setup, sft, signals
+from jrl.trainers import checks, common, controller, memory_plan, policy_step, setup, sft, signals
 from jrl.trainers.rollouts import contracts, correction, engines, rollout, topology
 
 
@@ -379,6 +380,36 @@ class Run(controller.Job):
       return self.warmup.iterate(state, it)
     return self.rl_iteration(state, it)
 
+  def plan_update(self, update, probe_batch, models=1):
+    """The jitted update step of `update` (a common.Update), with the remat
+    policy and micro-batch budget `memory_plan.plan_update` chooses for it
+    first (`probe_batch(resources, staleness, tokens, mask, loss_mask)`: the
+    update's batch; `models`: how many models of the policy's size it
+    trains). Sets `memory_plan`, `packer` (the plan's budget) and
+    `logprobs` (the reference and proximal passes, laid out by `packer`)."""
+    config, resources = self.config, self.resources
+    self.memory_plan, self.packer = memory_plan.plan_update(
+      config,
+      resources,
+      self.state,
+      common.make_packer(config.train, resources.seq_len, resources.batch_sharding),
+      update,
+      functools.partial(probe_batch, resources, self.topology.staleness),
+      models=models,
+      worker=self.worker,
+    )
+    # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
+    self.logprobs = parallel.on_mesh(
+      resources.mesh,
+      logprobs_fn(
+        resources.model.graphdef,
+        config.sampling.temperature,
+        config.train.chunk_size,
+        self.packer,
+      ),
+    )
+    return update.jit(self.memory_plan.budget, self.memory_plan.remat)
+
   def rl_iteration(self, state, it):
     """One RL iteration, top to bottom: the rollout (its worker, through the
     topology) -> rewards shaped -> placed on the mesh, the reference pass ->
@@ -440,11 +471,13 @@ class Run(controller.Job):
     )
     return state, report
 
+  @abc.abstractmethod
   def batch(self, state, generated, old_logp, is_weights, metrics):
-    raise NotImplementedError
+    """(the update's batch, advantages [B, T]) of a placed rollout."""
 
+  @abc.abstractmethod
   def update(self, state, minibatch):
-    raise NotImplementedError
+    """(state, metrics): the jitted update step on one minibatch."""
 
   def after(self, state, generated, metrics):
     del generated, metrics

@@ -30,7 +30,7 @@ import numpy as np
 from jrl import losses as L
 from jrl import models, parallel
 from jrl.models import hf as hf_lib
-from jrl.trainers import checks, common, memory_plan, online, policy_step, setup, sft
+from jrl.trainers import checks, common, online, policy_step, setup, sft
 from jrl.trainers.optim import make_optimizer
 from jrl.trainers.rollouts import rollout
 
@@ -280,29 +280,10 @@ class PPO(online.Run):
     critic = (self.critic_graphdef, self.state.extra.critic.params)
     optimizers = ((self.tx, schedule), (self.critic_tx, critic_schedule))
     update_fns = make_update(config, resources, critic, optimizers, shardings)
-    self.memory_plan, self.packer = memory_plan.plan_update(
-      config,
-      resources,
-      self.state,
-      common.make_packer(config.train, resources.seq_len, resources.batch_sharding),
-      update_fns,
-      functools.partial(probe_batch, resources, self.topology.staleness),
-      models=2,  # the policy and its critic
-      worker=self.worker,
-    )
-    # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
-    self.logprobs = parallel.on_mesh(
-      resources.mesh,
-      online.logprobs_fn(
-        resources.model.graphdef,
-        config.sampling.temperature,
-        config.train.chunk_size,
-        self.packer,
-      ),
-    )
+    update_step = self.plan_update(update_fns, probe_batch, models=2)  # policy and critic
     values = jax.jit(functools.partial(critic_values, self.critic_graphdef))
     self.steps = Steps(
-      update_fns.jit(self.memory_plan.budget, self.memory_plan.remat),
+      update_step,
       self.logprobs,
       parallel.on_mesh(resources.mesh, common.with_packer(values, self.packer)),
       jax.jit(functools.partial(L.gae, gamma=ppo.gamma, lam=ppo.lam)),

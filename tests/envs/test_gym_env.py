@@ -28,7 +28,7 @@ ta = pytest.importorskip('textarena', reason='the [textarena] extra')
 from jrl.envs import EnvPool  # noqa: E402
 from jrl.envs.gym_env import GymTextEnv, TextArenaGame, episode_seed  # noqa: E402
 from jrl.models import tokenizer as T  # noqa: E402
-from jrl.trainers import episodes  # noqa: E402
+from jrl.trainers.rollouts import episodes  # noqa: E402
 from tests.envs import episode_worker  # noqa: E402
 from tests.envs.episode_worker import HandWritten  # noqa: E402
 from tests.envs.test_chat import TEMPLATES  # noqa: E402

@@ -85,6 +85,21 @@ class HeldOut:
     self._calls = 0
     self._prompts = None  # (token ids, rendered texts), encoded at the first evaluation
 
+  @classmethod
+  def of_run(cls, resources, engine, lock):
+    """The held-out evaluation of a run's `resources` (its task's held-out
+    examples) on `engine`, whose calls `lock` serialises."""
+    return cls(
+      resources.config,
+      resources.encoder,
+      resources.tokenizer,
+      resources.stop_tokens,
+      resources.task.held_out,
+      engine,
+      lock,
+      resources.tracer,
+    )
+
   def _encoded(self):
     if self._prompts is None:
       texts = [self.encoder.prompt_text(ex['prompt']) for ex in self.examples]
@@ -204,16 +219,7 @@ class Evaluator:
         engines.eval_group_sizes(config),
       )
       engine.tracer = resources.tracer
-      self.held_out = HeldOut(
-        config,
-        resources.encoder,
-        resources.tokenizer,
-        resources.stop_tokens,
-        resources.task.held_out,
-        engine,
-        threading.Lock(),
-        resources.tracer,
-      )
+      self.held_out = HeldOut.of_run(resources, engine, threading.Lock())
     params = state.params
     if self.layout is not None:
       with resources.tracer.span('reshard'):

@@ -246,16 +246,7 @@ class RolloutWorker:
       sizes += engines.eval_group_sizes(config)
     self.engine = engines.build_engine(config, resources.model, mesh, resources.stop_tokens, sizes)
     self.engine.tracer = resources.tracer
-    self.held_out = HeldOut(
-      config,
-      resources.encoder,
-      resources.tokenizer,
-      resources.stop_tokens,
-      resources.task.held_out,
-      self.engine,
-      self.lock,
-      resources.tracer,
-    )
+    self.held_out = HeldOut.of_run(resources, self.engine, self.lock)
     self.scorer, self.sandbox_level = make_scorer(
       config.reward, resources.tokenizer, mesh, resources.is_main
     )
