@@ -39,6 +39,19 @@ MAX_EXPONENT = 1000  # |exponent| of a power, |n| of a factorial or binomial
 SYMBOLIC_DEADLINE_S = 2.0  # per symbolic comparison
 HELPER_START_S = 30.0  # at most this long for a helper process to import math-verify
 _HELPER_GRACE_S = 0.25  # a helper silent this long past its own deadline is killed
+# Comparisons a helper makes before it says 'ready': the first comparison of
+# each kind loads parts of sympy lazily (0.6 s for the first polynomial here),
+# which would otherwise count against a caller's deadline and score a correct
+# answer as wrong.
+_WARM_UP = (
+  ('1', '1'),
+  ('(x+1)^2', 'x^2+2x+1'),
+  ('\\frac{\\sqrt{8}}{2}', '\\sqrt{2}'),
+  ('\\sin(x)^2+\\cos(x)^2', '1'),
+  ('\\{1,2\\}', '\\{2,1\\}'),
+  ('[0,1)', '[0,1)'),
+  ('\\begin{pmatrix}1\\\\2\\end{pmatrix}', '\\begin{pmatrix}1\\\\2\\end{pmatrix}'),
+)
 _HELPER_COMMAND = (
   sys.executable,
   '-c',
@@ -177,7 +190,8 @@ def serve_symbolic():
   comparison ran out of `seconds`; 'ready' first, once math-verify is loaded."""
   answers = os.fdopen(os.dup(1), 'wb')
   os.dup2(2, 1)  # anything the libraries print goes to stderr, never into the answers
-  _compare_here('1', '1', HELPER_START_S)  # imports math-verify and builds its grammar
+  for a, b in _WARM_UP:  # imports math-verify, builds its grammar, loads sympy's lazy parts
+    _compare_here(a, b, HELPER_START_S)
   try:
     write_message(answers, 'ready')
     while (request := read_message(sys.stdin.buffer)) is not None:

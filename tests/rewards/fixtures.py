@@ -108,11 +108,12 @@ def serve_endless_symbolic():
   from jrl.rewards import symbolic
 
   def endless(gold, pred, **kwargs):
-    if gold == pred:  # the helper's own warm-up ('1' and '1')
+    if gold == pred:  # the helper's warm-up, cut to '1' and '1' below
       return True
     while True:
       time.sleep(0.01)
 
   math_verify.verify = endless
+  symbolic._WARM_UP = (('1', '1'),)
   symbolic._deadline = lambda seconds: contextlib.nullcontext()
   symbolic.serve_symbolic()
