@@ -1,6 +1,7 @@
 """Generation simulated slot by slot, and the stage and step times of one RL step."""
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -79,6 +80,14 @@ def simulate_generation(workload, lengths=None, early_exit=True):
   return prefills, dispatches
 
 
+@functools.lru_cache(maxsize=512)
+def _schedule(workload, lengths, early_exit):
+  """`simulate_generation` remembered: a planner predicts many layouts whose
+  rollout replicas run the same schedule (the same workload per replica)."""
+  prefills, dispatches = simulate_generation(workload, lengths, early_exit)
+  return prefills, tuple(dispatches)
+
+
 # Prediction -----------------------------------------------------------------------
 
 
@@ -103,8 +112,8 @@ def predict(model, workload, layout, coeffs, lengths=None):
   replicas = lay.rollout_replicas
   per_replica = dataclasses.replace(w, prompts_per_step=max(1, -(-w.prompts_per_step // replicas)))
   all_lengths = list(w.response_lengths() if lengths is None else lengths)
-  prefills, dispatches = simulate_generation(
-    per_replica, all_lengths[: per_replica.rows], early_exit=replicas == 1
+  prefills, dispatches = _schedule(
+    per_replica, tuple(all_lengths[: per_replica.rows]), replicas == 1
   )
   # A step's compute and page reads scale with the rows it decodes; the
   # weights are read once whatever the rows.

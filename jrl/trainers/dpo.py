@@ -206,7 +206,7 @@ class DPO(controller.Job):
     self.uses_ref = config.dpo.loss not in _REFERENCE_FREE
     sft_tx = setup.sft_optimizer(config)[0]
     self.state = self.new_state(resources.params, sft_tx if config.sft.steps else self.tx)
-    self.warmup = sft.Warmup(resources, self.state)
+    self.warmup = sft.Warmup.of(config, resources, self.state)
     shardings = setup.step_shardings(self.state, resources.mesh)
     self.steps = make_steps(config, resources, self.tx, schedule, shardings)
     self.evaluator = held_out.Evaluator(resources)

@@ -102,7 +102,7 @@ class GRPO(online.Run):
     self.uses_ref = rl.kl_coef > 0
     sft_tx = setup.sft_optimizer(config)[0]
     self.state = self.new_state(resources.params, sft_tx if config.sft.steps else self.tx)
-    self.warmup = sft.Warmup(resources, self.state, sft_batch)
+    self.warmup = sft.Warmup.of(config, resources, self.state, sft_batch)
     self.worker, self.topology = online.finish(config, resources, rollout_mesh, rows, make_worker)
 
     # The update: its memory plan chosen first, then the step jitted with it.

@@ -204,8 +204,9 @@ def limit_bytes(train, device):
   return kib * 1024
 
 
-def plan(config, device, whole, row, measure, bound, path=''):
-  """The Plan of a run: `config.train.memory_plan` 'auto' measures the
+def plan(train, remat, device, whole, row, measure, bound, path=''):
+  """The Plan of a run (`train`: the config's train section; `remat`:
+  `model.remat`): `train.memory_plan` 'auto' measures the
   candidates with `measure(remat, budget) -> bytes` unless `bound` (bytes,
   `upper_bound` of the first candidate) is at most half the limit; 'off'
   keeps the config's settings.
@@ -218,7 +219,6 @@ def plan(config, device, whole, row, measure, bound, path=''):
   written there otherwise. A restart whose step changed (a longer
   `task.max_prompt_len`, another minibatch) plans again. A file written
   before the step was recorded is matched on its candidates alone."""
-  train, remat = config.train, config.model.remat
   options = candidates(remat, train.micro_batch_tokens, whole, row, device.platform)
   if train.memory_plan != 'auto':
     return fixed(remat, train.micro_batch_tokens)
@@ -245,12 +245,12 @@ def plan(config, device, whole, row, measure, bound, path=''):
   return chosen
 
 
-def worst_case_rows(config, seq_len, vocab_size):
+def worst_case_rows(rl, task, seq_len, vocab_size):
   """Host (tokens, mask, loss_mask) [minibatch, seq_len] of the largest
-  minibatch a run can produce: every sequence max_prompt_len prompt tokens
-  then max_response_len response tokens, each group of `rl.group_size` rows
-  sharing its prompt (the memory plan's probe)."""
-  rl, task = config.rl, config.task
+  minibatch a run can produce (`rl`, `task`: the config's sections): every
+  sequence max_prompt_len prompt tokens then max_response_len response
+  tokens, each group of `rl.group_size` rows sharing its prompt (the memory
+  plan's probe)."""
   mb, p = rl.minibatch_size, task.max_prompt_len
   tokens = np.zeros((mb, seq_len), np.int32)
   tokens[:, :p] = 1 + (np.arange(mb) // rl.group_size)[:, None] % (vocab_size - 1)
@@ -261,35 +261,39 @@ def worst_case_rows(config, seq_len, vocab_size):
   return tokens, mask, loss_mask
 
 
-def plan_update(config, resources, state, packer, update, probe_batch, models=1, worker=None):
+def plan_update(
+  resources, state, packer, update, probe_batch, *, train, remat, rl, task, models=1, worker=None
+):
   """(Plan, packer): the remat policy and micro-batch budget of an update,
   chosen by `plan` (`train.memory_plan`) before the run's step is made with
   them (`update.jit(plan.budget, plan.remat)`).
 
   Args:
+    resources: setup.Resources (the mesh, the model, the workdir).
     state: the train state the update step takes (only its shapes are read).
     packer: the config's Packer; the returned one has the plan's budget.
     update: the algorithm's common.Update; each candidate is compiled from it.
     probe_batch: (tokens, mask, loss_mask) host [B, T] -> the update's batch
       on the mesh (without `packed`).
     models: how many models of the policy's size the update trains (PPO: 2).
+    train, remat, rl, task: the config's `train` section, `model.remat`, and
+      the `rl` and `task` sections (the minibatch and the longest sequences).
     worker: the rollout worker, closed (its reward processes stopped) when
       the plan fails.
   """
+  sections = dict(train=train, remat=remat, rl=rl, task=task)
   try:
-    return _plan_update(config, resources, state, packer, update, probe_batch, models)
+    return _plan_update(resources, state, packer, update, probe_batch, models, **sections)
   except BaseException:
     if worker is not None:
       worker.close()
     raise
 
 
-def _plan_update(config, resources, state, packer, update, probe_batch, models):
-  rl = config.rl
+def _plan_update(resources, state, packer, update, probe_batch, models, *, train, remat, rl, task):
   shards = common.batch_shards(resources.batch_sharding)
   per_row = rl.group_size if packer.kind == 'shared_prompt' else 1
   if packer.kind == 'shared_prompt':
-    task = config.task
     row = layouts.shared_row_len(task.max_prompt_len, rl.group_size, task.max_response_len)
   else:
     row = packer.row_len
@@ -299,15 +303,13 @@ def _plan_update(config, resources, state, packer, update, probe_batch, models):
     return common.Packer(packer.row_len, packer.sharding, budget, packer.kind)
 
   def measure(remat, budget):
-    rows = worst_case_rows(config, resources.seq_len, resources.model.config.vocab_size)
+    rows = worst_case_rows(rl, task, resources.seq_len, resources.model.config.vocab_size)
     batch = probe_batch(*rows)._replace(packed=with_budget(budget).for_step(*rows))
     return step_bytes(update.jit(budget, remat), abstract(state), batch)
 
   num_params = sum(x.size for x in jax.tree.leaves(resources.params))
-  bound = models * upper_bound(
-    resources.model.config, num_params, whole, row, config.train.chunk_size
-  )
+  bound = models * upper_bound(resources.model.config, num_params, whole, row, train.chunk_size)
   path = os.path.join(resources.workdir, 'memory_plan.json')
   device = next(d for d in resources.mesh.devices.flat if d.process_index == jax.process_index())
-  chosen = plan(config, device, whole, row, measure, bound, path)
+  chosen = plan(train, remat, device, whole, row, measure, bound, path)
   return chosen, with_budget(chosen.budget)

@@ -178,7 +178,15 @@ def finish(config, resources, rollout_mesh, rows, make_worker):
   worker = make_worker(resources, rollout_mesh, rows)
   if not isinstance(worker, contracts.RolloutWorker):
     raise TypeError(f'{type(worker).__name__} is no contracts.RolloutWorker')
-  return worker, topology.make(config, worker, resources, rollout_mesh, checks.iterations(config))
+  topo = topology.make(
+    config.topology,
+    config.sampler.decode_weights,
+    worker,
+    resources,
+    rollout_mesh,
+    checks.iterations(config),
+  )
+  return worker, topo
 
 
 def reward_state(reward_config):
@@ -389,12 +397,15 @@ class Run(controller.Job):
     `logprobs` (the reference and proximal passes, laid out by `packer`)."""
     config, resources = self.config, self.resources
     self.memory_plan, self.packer = memory_plan.plan_update(
-      config,
       resources,
       self.state,
       common.make_packer(config.train, resources.seq_len, resources.batch_sharding),
       update,
       functools.partial(probe_batch, resources, self.topology.staleness),
+      train=config.train,
+      remat=config.model.remat,
+      rl=config.rl,
+      task=config.task,
       models=models,
       worker=self.worker,
     )

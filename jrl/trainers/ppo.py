@@ -272,7 +272,7 @@ class PPO(online.Run):
     # State: the policy, its reference, the critic and the KL controller.
     sft_tx = setup.sft_optimizer(config)[0]
     self.state = self.new_state(resources.params, sft_tx if config.sft.steps else self.tx)
-    self.warmup = sft.Warmup(resources, self.state, sft_batch)
+    self.warmup = sft.Warmup.of(config, resources, self.state, sft_batch)
     self.worker, self.topology = online.finish(config, resources, rollout_mesh, rows, make_worker)
 
     # The update: its memory plan chosen first, then the step jitted with it.

@@ -79,30 +79,54 @@ def response_batch(resources, examples, iteration):
 
 
 class Warmup:
-  """The SFT iteration: `sft.batch_size` examples of the SFT stream, packed by
-  `make_batch(resources, examples, iteration)`, one update with the SFT
-  optimiser (`step`, jitted with the state's layout, the state donated)."""
+  """The SFT iteration: `sft_config.batch_size` examples of the SFT stream,
+  packed by `make_batch(resources, examples, iteration)`, one update with the
+  SFT optimiser (`step`, jitted with the state's layout, the state donated).
 
-  def __init__(self, resources, state, make_batch=response_batch):
-    config = self.config = resources.config
-    self.resources, self.make_batch = resources, make_batch
-    tx, schedule = setup.sft_optimizer(config)
-    self.packer = common.make_packer(config.train, resources.seq_len, resources.batch_sharding)
+  Args:
+    resources: setup.Resources (the model, the mesh, the streams).
+    state: the train state the step takes (its layout is kept).
+    optimiser: (tx, schedule) of the warm-up (`setup.sft_optimizer`).
+    sft_config, train_config: the config's `sft` and `train` sections.
+    grad_accum: `optim.grad_accum`.
+  """
+
+  def __init__(
+    self,
+    resources,
+    state,
+    optimiser,
+    sft_config,
+    train_config,
+    grad_accum,
+    make_batch=response_batch,
+  ):
+    self.resources, self.make_batch, self.size = resources, make_batch, sft_config.batch_size
+    tx, schedule = optimiser
+    self.packer = common.make_packer(train_config, resources.seq_len, resources.batch_sharding)
     self.step = common.Update(
       (train_step, loss_and_grads, apply_update),
-      model=dict(graphdef=resources.model.graphdef, chunk_size=config.train.chunk_size),
-      optim=dict(tx=tx, schedule=schedule, accum=int(config.optim.grad_accum)),
+      model=dict(graphdef=resources.model.graphdef, chunk_size=train_config.chunk_size),
+      optim=dict(tx=tx, schedule=schedule, accum=int(grad_accum)),
       shardings=setup.step_shardings(state, resources.mesh),
       mesh=resources.mesh,
       models={},
       additive=ADDITIVE_METRICS,
       token_share=TOKEN_SHARE,
     ).jit(self.packer is not None and self.packer.budget)  # micro-batches of a token budget
-    self.rows = distributed.local_rows(resources.batch_sharding, config.sft.batch_size)
+    self.rows = distributed.local_rows(resources.batch_sharding, self.size)
     self.stream = resources.streams['sft_stream']
 
+  @classmethod
+  def of(cls, config, resources, state, make_batch=response_batch):
+    """The Warmup of a run's `config`: the SFT optimiser and the sections it reads."""
+    optimiser = setup.sft_optimizer(config)
+    return cls(
+      resources, state, optimiser, config.sft, config.train, config.optim.grad_accum, make_batch
+    )
+
   def iterate(self, state, iteration):
-    resources, size = self.resources, self.config.sft.batch_size
+    resources, size = self.resources, self.size
     batch = self.make_batch(resources, self.stream.next(size, self.rows), iteration)
     start = time.perf_counter()
     with resources.tracer.span('sft_update', iteration=iteration):
@@ -145,7 +169,7 @@ class SFT(controller.Job):
     self.resources, _ = setup.start(config, SECTIONS)
     tx, _ = setup.sft_optimizer(config)
     self.state = setup.new_state(self.resources.params, tx, self.resources.mesh)
-    self.warmup = Warmup(self.resources, self.state)
+    self.warmup = Warmup.of(config, self.resources, self.state)
     self.evaluator = held_out.Evaluator(self.resources)
 
   def iterate(self, state, iteration):

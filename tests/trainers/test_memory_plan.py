@@ -194,9 +194,7 @@ class _Device:
 def test_the_plan_by_platform_with_measured_candidates():
   from types import SimpleNamespace as NS
 
-  config = NS(
-    train=NS(memory_plan='auto', memory_limit_gib=0.0, micro_batch_tokens=0), model=NS(remat='auto')
-  )
+  train = NS(memory_plan='auto', memory_limit_gib=0.0, micro_batch_tokens=0)
   gib = 2**30
   # Stored activations cost 4x what recomputed ones do; a micro-batch of
   # half the rows half as much.
@@ -209,19 +207,19 @@ def test_the_plan_by_platform_with_measured_candidates():
 
   limit = int(20 * gib / memory_plan.FREE_SHARE)  # 90% of it: 20 GiB
   # An accelerator: no remat while a micro-batch of an eighth or more fits.
-  got = memory_plan.plan(config, _Device('gpu', limit), 800, 100, measure, bound=30 * gib)
+  got = memory_plan.plan(train, 'auto', _Device('gpu', limit), 800, 100, measure, bound=30 * gib)
   assert (got.remat, got.budget) == ('none', 400) and calls == [('none', 0), ('none', 400)]
   # The CPU: remat 'full' first, so the whole minibatch.
   calls.clear()
-  got = memory_plan.plan(config, _Device('cpu', limit), 800, 100, measure, bound=30 * gib)
+  got = memory_plan.plan(train, 'auto', _Device('cpu', limit), 800, 100, measure, bound=30 * gib)
   assert (got.remat, got.budget) == ('full', 0) and calls == [('full', 0)]
   # A small update is not compiled and runs without remat: on the CPU only
   # under CPU_SMALL_BYTES.
   calls.clear()
   for platform in ('gpu', 'cpu'):
-    got = memory_plan.plan(config, _Device(platform, limit), 800, 100, measure, bound=gib)
+    got = memory_plan.plan(train, 'auto', _Device(platform, limit), 800, 100, measure, bound=gib)
     assert (got.remat, got.budget, got.need) == ('none', 0, 0) and 'not compiled' in got.reason
-  got = memory_plan.plan(config, _Device('cpu', limit), 800, 100, measure, bound=4 * gib)
+  got = memory_plan.plan(train, 'auto', _Device('cpu', limit), 800, 100, measure, bound=4 * gib)
   assert (got.remat, got.budget) == ('full', 0) and calls == [('full', 0)]
 
 
@@ -233,18 +231,19 @@ def test_a_restart_keeps_the_plan_of_the_same_step_and_plans_a_changed_one_again
   config = shrunk_config(tmp_path, {'train.micro_batch_tokens': 64, 'train.memory_limit_gib': 1e-9})
   path = str(tmp_path / 'memory_plan.json')
   device = jax.devices()[0]
+  sections = (config.train, config.model.remat)
   calls = []
 
   def measure(remat, budget):
     calls.append((remat, budget))
     return 10**12  # nothing fits: the first candidate is kept, after measuring them all
 
-  first = memory_plan.plan(config, device, 256, 32, measure, 10**9, path)
+  first = memory_plan.plan(*sections, device, 256, 32, measure, 10**9, path)
   assert calls and 'nothing fits' in first.reason
   calls.clear()
-  again = memory_plan.plan(config, device, 256, 32, measure, 10**9, path)
+  again = memory_plan.plan(*sections, device, 256, 32, measure, 10**9, path)
   assert not calls and 'as the run chose at its start' in again.reason
-  longer = memory_plan.plan(config, device, 512, 64, measure, 2 * 10**9, path)
+  longer = memory_plan.plan(*sections, device, 512, 64, measure, 2 * 10**9, path)
   assert calls and 'as the run chose' not in longer.reason
   with open(path, encoding='utf-8') as f:
     assert json.load(f)['step'] == {'whole': 512, 'row': 64, 'bound': 2 * 10**9}
@@ -255,5 +254,5 @@ def test_a_restart_keeps_the_plan_of_the_same_step_and_plans_a_changed_one_again
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(saved, f)
   calls.clear()
-  kept = memory_plan.plan(config, device, 128, 16, measure, 10**8, path)
+  kept = memory_plan.plan(*sections, device, 128, 16, measure, 10**8, path)
   assert not calls and 'as the run chose at its start' in kept.reason

@@ -467,20 +467,21 @@ SECTION = checks.Section(
 )
 
 
-def make(config, worker, resources, rollout_mesh, total):
-  """The topology of `topology.kind` around `worker` (resources: setup.Resources)."""
+def make(topology_config, decode_weights, worker, resources, rollout_mesh, total):
+  """The topology of `topology_config.kind` (the config's `topology` section)
+  around `worker`; `decode_weights`: `sampler.decode_weights`, the layout a
+  colocated sampler decodes from; `total`: the run's iterations
+  (resources: setup.Resources)."""
   shardings = _rollout_shardings(
     resources.mesh, rollout_mesh, resources.model.config, resources.params
   )
   decode = None
   if shardings is None:  # colocated: the decode layout, where it helps and fits
-    mode = config.sampler.decode_weights
     decode = engines.decode_shardings(
-      mode, resources.mesh, resources.model.config, resources.params
+      decode_weights, resources.mesh, resources.model.config, resources.params
     )
-  kind = config.topology.kind
+  kind = topology_config.kind
   if kind in ('one_step_off', 'async'):
-    topology_config = config.topology
     k = topology_config.staleness if kind == 'one_step_off' else topology_config.max_staleness
     partial = None
     if kind == 'async' and topology_config.partial_rollouts:
