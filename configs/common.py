@@ -211,6 +211,10 @@ def train_section():
   # at 'auto' / 0 only; jrl.trainers.memory_plan), logged; 'off': as set.
   s.memory_plan = 'auto'
   s.memory_limit_gib = 0.0  # what the update may allocate (0: 90% of a device's free memory)
+  # XLA options of the training programs only (the updates, the reference and
+  # proximal passes), written as XLA_FLAGS are ('--xla_<name>=<value> ...'); the
+  # process's XLA_FLAGS apply to the rest, the sampler included (jrl.xla_options).
+  s.xla_flags = ''
   return s
 
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 
+from jrl import xla_options
 from jrl.models.config import ATTENTION_IMPLS, LORA_TARGETS, REMAT_POLICIES
 
 
@@ -295,6 +296,7 @@ def check_shared(config):
     'and train.packing are two layouts of the rows: turn one off.',
   )
   need(train.memory_plan in ('auto', 'off'), 'train.memory_plan', "must be 'auto' or 'off'.")
+  xla_options.check(train.xla_flags)  # names `train.xla_flags` for an option XLA refuses
 
 
 def batch_divides(size, field, batch_shards):

@@ -528,6 +528,7 @@ class Update(NamedTuple):
   models: dict  # {keyword of a graphdef in `model`: its params}: the models `remat` applies to
   additive: tuple  # metrics that add up over micro-batches (MicroBatchedStep)
   token_share: str  # the micro-batch's share of the minibatch's tokens (a metric)
+  compiler_options: Any = None  # XLA options of its programs (`train.xla_flags`)
 
   def jit(self, budget=0, remat=None):
     """The jitted step, over micro-batches of `budget` tokens (0: the whole
@@ -539,11 +540,12 @@ class Update(NamedTuple):
         model[key] = with_remat(model[key], params, remat)
     if budget:
       step = MicroBatchedStep(
-        jax.jit(functools.partial(loss_and_grads, **model)),
+        jax.jit(functools.partial(loss_and_grads, **model), compiler_options=self.compiler_options),
         jax.jit(
           functools.partial(apply_update, **self.optim),
           donate_argnums=(0,),
           out_shardings=self.shardings,
+          compiler_options=self.compiler_options,
         ),
         self.additive,
         self.token_share,
@@ -553,5 +555,6 @@ class Update(NamedTuple):
         functools.partial(train_step, **model, **self.optim),
         donate_argnums=(0,),
         out_shardings=self.shardings,
+        compiler_options=self.compiler_options,
       )
     return parallel.on_mesh(self.mesh, step)  # attention kernels per shard

@@ -120,7 +120,13 @@ def load(config, resources, packer):
       )
     params.append(ck.params)
     fns.append(
-      online.logprobs_fn(ck.graphdef, config.sampling.temperature, config.train.chunk_size, packer)
+      online.logprobs_fn(
+        ck.graphdef,
+        config.sampling.temperature,
+        config.train.chunk_size,
+        packer,
+        resources.train_xla,
+      )
     )
   weights = tuple(float(w) for w in d.teacher_weights) or (1.0,) * len(params)
   total = sum(weights)

@@ -181,11 +181,13 @@ def make_steps(config, resources, tx, schedule, shardings):
     ),
     donate_argnums=(0,),
     out_shardings=shardings,
+    compiler_options=resources.train_xla,
   )
   reference = jax.jit(
     functools.partial(
       sequence_logprobs, graphdef, average=d.loss in _AVERAGED, chunk_size=config.train.chunk_size
-    )
+    ),
+    compiler_options=resources.train_xla,
   )
   # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
   return Steps(

@@ -62,6 +62,7 @@ def make_update(config, resources, tx, schedule, shardings):
     models={'graphdef': resources.params},
     additive=policy_step.ADDITIVE_METRICS,
     token_share=policy_step.TOKEN_SHARE,
+    compiler_options=resources.train_xla,
   )
 
 

@@ -354,14 +354,16 @@ def run_minibatches(
   return state, metrics, time.perf_counter() - start
 
 
-def logprobs_fn(graphdef, temperature, chunk_size, packer=None):
+def logprobs_fn(graphdef, temperature, chunk_size, packer=None, compiler_options=None):
   """(params, tokens, mask) -> [B, T] logprobs at the sampling `temperature`
   (the reference and proximal passes), the logits in chunks of `chunk_size`
-  positions; with a `packer` (common.make_packer) the model runs on packed rows."""
+  positions; with a `packer` (common.make_packer) the model runs on packed
+  rows; `compiler_options`: XLA's for the program (`train.xla_flags`)."""
   logprobs = jax.jit(
     functools.partial(
       common.token_logprobs, graphdef, temperature=temperature, chunk_size=chunk_size
-    )
+    ),
+    compiler_options=compiler_options,
   )
   return common.with_packer(lambda *args: logprobs(*args)[0], packer)
 
@@ -417,6 +419,7 @@ class Run(controller.Job):
         config.sampling.temperature,
         config.train.chunk_size,
         self.packer,
+        resources.train_xla,
       ),
     )
     return update.jit(self.memory_plan.budget, self.memory_plan.remat)

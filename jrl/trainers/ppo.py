@@ -230,6 +230,7 @@ def make_update(config, resources, critic, optimizers, shardings):
     models={'graphdef': resources.params, 'critic_graphdef': critic[1]},
     additive=ADDITIVE_METRICS,
     token_share=policy_step.TOKEN_SHARE,
+    compiler_options=resources.train_xla,
   )
 
 

@@ -193,8 +193,11 @@ class RewardModel(controller.Job):
       ),
       donate_argnums=(0,),
       out_shardings=shardings,
+      compiler_options=resources.train_xla,
     )
-    scores = jax.jit(functools.partial(models.sequence_scores, rm_graphdef))
+    scores = jax.jit(
+      functools.partial(models.sequence_scores, rm_graphdef), compiler_options=resources.train_xla
+    )
     # Traced under the training mesh (attention kernels per shard, `parallel.on_mesh`).
     self.steps = Steps(
       parallel.on_mesh(resources.mesh, rm_step), parallel.on_mesh(resources.mesh, scores)

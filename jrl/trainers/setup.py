@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jrl import checkpoint as ckpt_lib
-from jrl import distributed, models, parallel, trace
+from jrl import distributed, models, parallel, trace, xla_options
 from jrl import metrics as metrics_lib
 from jrl.data import PromptStream, read_sft_jsonl, tasks
 from jrl.models import hf as hf_lib
@@ -63,6 +63,7 @@ class Resources(NamedTuple):
   batch_sharding: jax.sharding.NamedSharding  # rows over data x fsdp
   tracer: trace.Tracer
   is_main: bool  # process 0 writes metrics, traces and exports
+  train_xla: Any  # `train.xla_flags` as compiler options of the training programs (or None)
 
 
 # The devices --------------------------------------------------------------------
@@ -468,6 +469,7 @@ def build_resources(config, mesh):
     batch_sharding=parallel.batch_sharding(mesh),
     tracer=trace.Tracer(enabled=config.log.trace, pid=jax.process_index()),
     is_main=distributed.is_main(),
+    train_xla=xla_options.parse(config.train.xla_flags),
   )
 
 

@@ -113,6 +113,7 @@ class Warmup:
       models={},
       additive=ADDITIVE_METRICS,
       token_share=TOKEN_SHARE,
+      compiler_options=resources.train_xla,
     ).jit(self.packer is not None and self.packer.budget)  # micro-batches of a token budget
     self.rows = distributed.local_rows(resources.batch_sharding, self.size)
     self.stream = resources.streams['sft_stream']
