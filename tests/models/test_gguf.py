@@ -625,8 +625,9 @@ def test_real_smollm2(tmp_path):
     out, [ours.encode(text), ours.encode('The capital of France is')]
   )
   # 30 float32 layers: each side is up to ~1.5e-4 from a float64 run of transformers
-  # (logits up to ~40), so a few of the 4M entries differ by a little over 1e-4.
-  np.testing.assert_allclose(ours_logits[mask], theirs_logits[mask], atol=1e-4, rtol=1e-4)
+  # (logits up to ~40), so the two may differ by up to about 3e-4; a few of the 4M
+  # entries do differ by a little over 1e-4, how many depends on XLA's code generation.
+  np.testing.assert_allclose(ours_logits[mask], theirs_logits[mask], atol=3e-4, rtol=1e-4)
   assert (ours_logits.argmax(-1) == theirs_logits.argmax(-1))[mask].all()
 
 
