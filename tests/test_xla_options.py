@@ -31,12 +31,12 @@ def test_a_word_that_is_no_xla_option_is_named(flags):
 
 @pytest.mark.parametrize('flags', ['--xla_no_such_option_here=1', '--xla_cpu_use_xnnpack=maybe'])
 def test_an_option_xla_refuses_is_named_before_a_run_starts(flags, tmp_path):
-  with pytest.raises(ValueError, match='`train.xla_flags`: XLA refuses'):
+  with pytest.raises(ValueError, match=r'`train\.xla_flags`: XLA refuses'):
     xla_options.check(flags)
   from jrl import trainers
 
   config = shrunk_config(tmp_path, {**QUIET, 'train.xla_flags': flags})
-  with pytest.raises(ValueError, match='train.xla_flags'):
+  with pytest.raises(ValueError, match=r'train\.xla_flags'):
     trainers.build(config)
 
 
