@@ -120,8 +120,10 @@ def test_thread_mode_times_out_slow_calls():
 
 def test_load_many_concurrent_calls_all_return_with_counts():
   # 24 calls from 6 threads, some slow, some failing, some hanging: every call
-  # returns, nothing is lost, and the counts add up.
-  service = RewardService(['test_flaky'], mode='process', workers=3, timeout_s=1.0, chunk_size=8)
+  # returns, nothing is lost, and the counts add up. A call's clock starts when
+  # it is sent to a worker, which may be a replacement still starting (0.2-0.4 s
+  # idle, over 1 s on a loaded CI machine): 3 s leaves room for that.
+  service = RewardService(['test_flaky'], mode='process', workers=3, timeout_s=3.0, chunk_size=8)
   modes = ['ok', 'slow', 'raise', 'hang'] * 6
   results = [None] * len(modes)
 
